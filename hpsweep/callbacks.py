@@ -1,0 +1,260 @@
+"""Callbacks around the training loop, and the built-in ones.
+
+A callback subclasses `TrainerCallback` and overrides the events it cares about; each event
+receives ``(args, state, control, **kwargs)`` and may set flags on `TrainerControl`. A callback
+with state to keep across a resume implements `state_dict` / `load_state_dict`: the state is
+saved in every checkpoint's trainer_state.json and handed back on resume.
+
+    >>> class StopAtLoss(TrainerCallback):
+    ...     def on_evaluate(self, args, state, control, metrics, **kwargs):
+    ...         if metrics["eval_loss"] < 0.1:
+    ...             control.should_training_stop = True
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+from .errors import UserError, did_you_mean
+
+EVENTS = (
+    "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_before_backward",
+    "on_after_backward", "on_before_optimizer_step", "on_optimizer_step", "on_substep_end",
+    "on_step_end", "on_evaluate", "on_save", "on_log", "on_epoch_end", "on_exception", "on_train_end",
+)
+
+
+class EvalPrediction(NamedTuple):
+    """What ``compute_metrics`` receives: stacked predictions (logits) and labels, as numpy."""
+
+    predictions: Any
+    label_ids: Any
+
+
+@dataclass
+class TrainerState:
+    """Progress of one training run; saved as trainer_state.json in each checkpoint."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    steps_per_epoch: int = 0
+    num_evaluations: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+    trial_number: int | None = None
+    trial_params: dict[str, Any] | None = None
+    callbacks: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainerState:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class TrainerControl:
+    """Flags callbacks set to steer the loop; the loop resets them after acting on them."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_evaluate: bool = False
+    should_save: bool = False
+    should_log: bool = False
+
+
+class TrainerCallback:
+    """Base class: every event is a no-op. Override the ones you need."""
+
+    #: Set to True when `on_evaluate` needs ``eval_prediction`` (predictions and labels).
+    needs_predictions: bool = False
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """State to save in checkpoints and hand back on resume; None when there is none."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+def _noop(self: TrainerCallback, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    return None
+
+
+for _event in EVENTS:
+    setattr(TrainerCallback, _event, _noop)
+
+
+class CallbackHandler:
+    """Calls an event on every callback in order; skips callbacks that do not override it."""
+
+    def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
+        self.callbacks = list(callbacks)
+        self._listeners = {
+            event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, _noop) is not _noop]
+            for event in EVENTS
+        }
+
+    def add(self, callback: TrainerCallback) -> None:
+        self.__init__([*self.callbacks, callback])  # type: ignore[misc]
+
+    def needs_predictions(self) -> bool:
+        return any(cb.needs_predictions for cb in self.callbacks)
+
+    def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        for listener in self._listeners[event]:
+            listener(args, state, control, **kwargs)
+        return control
+
+    def state_dicts(self) -> dict[str, Any]:
+        out = {}
+        for cb in self.callbacks:
+            sd = cb.state_dict()
+            if sd is not None:
+                out[type(cb).__name__] = sd
+        return out
+
+    def load_state_dicts(self, states: Mapping[str, Any]) -> None:
+        for cb in self.callbacks:
+            if type(cb).__name__ in states:
+                cb.load_state_dict(states[type(cb).__name__])
+
+
+# --- built-in callbacks -----------------------------------------------------------------------------
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stop training when ``metric_for_best_model`` has not improved for ``patience`` evaluations.
+
+    Args:
+        early_stopping_patience: evaluations without improvement before stopping.
+        early_stopping_threshold: the least change that counts as an improvement.
+    """
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0) -> None:
+        self.patience = early_stopping_patience
+        self.threshold = early_stopping_threshold
+        self.bad_evaluations = 0
+        self.best: float | None = None
+
+    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
+                    **kwargs: Any) -> None:
+        name = args.metric_for_best_model or "eval_loss"
+        value = metric_value(metrics, name, "metric_for_best_model")
+        sign = 1 if args.greater_is_better else -1
+        if self.best is None or sign * (value - self.best) > self.threshold:
+            self.best, self.bad_evaluations = value, 0
+        else:
+            self.bad_evaluations += 1
+            if self.bad_evaluations >= self.patience:
+                control.should_training_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bad_evaluations": self.bad_evaluations, "best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bad_evaluations, self.best = state["bad_evaluations"], state["best"]
+
+
+class MetricCallback(TrainerCallback):
+    """Add ``eval_<name>`` = ``metric_fn(predictions, labels)`` to every evaluation.
+
+    For metrics that are not differentiable (accuracy, F1, BLEU):
+
+        >>> accuracy = MetricCallback(lambda p, y: float((p.argmax(-1) == y).mean()), name="accuracy")
+    """
+
+    needs_predictions = True
+
+    def __init__(self, metric_fn: Callable[[Any, Any], float], name: str | None = None) -> None:
+        self.metric_fn = metric_fn
+        self.name = name or getattr(metric_fn, "__name__", "metric")
+
+    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: dict[str, float],
+                    eval_prediction: EvalPrediction | None = None, **kwargs: Any) -> None:
+        if eval_prediction is None:
+            raise UserError(f"MetricCallback({self.name!r}) needs predictions, but the model's output has no logits; "
+                            "return {'loss': ..., 'logits': ...} from forward")
+        key = self.name if self.name.startswith("eval_") else f"eval_{self.name}"
+        metrics[key] = float(self.metric_fn(eval_prediction.predictions, eval_prediction.label_ids))
+
+
+class TrialReporter(TrainerCallback):
+    """Reports each evaluation to the `Trial` and stops the run when the backend prunes it.
+
+    When a checkpoint is saved at the same step as the evaluation, the report waits for it so
+    that backends which restart trials (Ray's PBT) receive the checkpoint with the metrics.
+    """
+
+    def __init__(self, trial: Any, objective: Callable[[Mapping[str, float]], Any]) -> None:
+        self.trial = trial
+        self.objective = objective
+        self.pruned = False
+        self._pending: tuple[int, dict[str, float], Any] | None = None
+
+    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
+                    **kwargs: Any) -> None:
+        self._pending = (state.num_evaluations, dict(metrics), self.objective(metrics))
+        if not control.should_save:
+            self._deliver(control, None)
+
+    def on_save(self, args: Any, state: TrainerState, control: TrainerControl, *, checkpoint: str, **kwargs: Any) -> None:
+        if self._pending is not None:
+            self._deliver(control, checkpoint)
+
+    def _deliver(self, control: TrainerControl, checkpoint: str | None) -> None:
+        step, metrics, value = self._pending  # type: ignore[misc]
+        self._pending = None
+        self.trial.report(step, metrics, value, checkpoint)
+        if self.trial.should_prune():
+            self.pruned = True
+            control.should_training_stop = True
+
+
+class ProgressCallback(TrainerCallback):
+    """A rich progress bar over training steps, with the latest loss (plain training runs)."""
+
+    def __init__(self) -> None:
+        self._progress: Any = None
+
+    def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
+        self._task = self._progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+        self._progress.start()
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._progress.update(self._task, completed=state.global_step)
+
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, *, logs: Mapping[str, float],
+               **kwargs: Any) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, info=" ".join(f"{k}={v:.4g}" for k, v in logs.items()
+                                                            if isinstance(v, float)))
+
+    def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    on_exception = on_train_end
+
+
+def metric_value(metrics: Mapping[str, float], name: str, what: str = "objective") -> float:
+    """``metrics[name]`` as a float, or a `UserError` listing the metrics there are."""
+    if name not in metrics:
+        raise UserError(
+            f"{what} {name!r} is not among the evaluation's metrics ({', '.join(sorted(metrics))})"
+            f"{did_you_mean(name, metrics)}; name one of them, or add it with compute_metrics"
+        )
+    value = float(metrics[name])
+    if math.isnan(value):
+        raise ValueError(f"{name} is NaN")
+    return value

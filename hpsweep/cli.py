@@ -1,0 +1,144 @@
+"""The ``hpsweep`` command line: ``run``, ``show``, ``report``, ``push``.
+
+Exit codes: 0 done; 2 a user error, printed as one line with no traceback; 1 an internal
+failure; 130 after Ctrl-C, once running trials are recorded as stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpsweep", description="Hyperparameter search over PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"hpsweep {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run the sweep a space file describes")
+    run.add_argument("space_file", help="a .py file defining model_init, args, space, train_dataset, ...")
+    run.add_argument("--backend", default="optuna", help="optuna (default), ray or wandb")
+    run.add_argument("--n-trials", type=int, default=20, help="trials the study should hold when done (default 20)")
+    run.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    run.add_argument("--output-dir", help="where runs, best/ and the study go (default: args.output_dir)")
+    run.add_argument("--study-name", help="study name (default: the space file's name)")
+    run.add_argument("--storage", help="an Optuna storage URL (default: sqlite:///OUTPUT_DIR/study.db)")
+    run.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Ray restores its experiment)")
+    run.add_argument("--sampler", help="optuna: tpe, random, cmaes, gp, grid, nsga2; wandb: random, grid, bayes")
+    run.add_argument("--pruner", help="optuna: median, hyperband, sha, none; wandb: hyperband, none")
+    run.add_argument("--scheduler", help="ray: fifo, asha, hyperband, pbt")
+    run.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
+    run.add_argument("--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)")
+    run.add_argument("--resources-per-trial", type=_resources, help="ray: e.g. cpu=1,gpu=0.5")
+    run.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
+    run.add_argument("--set", dest="set_args", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one TrainingArguments field (repeatable)")
+    run.add_argument("--seed", type=int, help="seed for the sampler")
+    run.set_defaults(func=cmd_run)
+
+    show = sub.add_parser("show", help="the trials of a sweep as a table")
+    show.add_argument("dir", help="the sweep's output folder")
+    show.add_argument("--json", action="store_true", help="print the trials as JSON")
+    show.set_defaults(func=cmd_show)
+    return parser
+
+
+def _resources(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not name=number, e.g. cpu=1,gpu=0.5") from None
+        if not sep or key.strip() not in ("cpu", "gpu") and not key.strip():
+            raise argparse.ArgumentTypeError(f"{part!r} is not name=number")
+    return out
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from .api import run
+
+    options: dict[str, Any] = {k: v for k, v in {
+        "timeout": ns.timeout, "storage": ns.storage, "sampler": ns.sampler, "pruner": ns.pruner,
+        "scheduler": ns.scheduler, "address": ns.address, "resources_per_trial": ns.resources_per_trial,
+        "seed": ns.seed}.items() if v is not None}
+    best = run(ns.space_file, backend=ns.backend, n_trials=ns.n_trials, output_dir=ns.output_dir,
+               config=ns.config, set_args=ns.set_args, study_name=ns.study_name, resume=ns.resume,
+               n_jobs=ns.n_jobs, **options)
+    _print_best(best)
+    return 0
+
+
+def _print_best(best: Any) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for b in best if isinstance(best, list) else [best]:
+        name = b.run_summary.get("objective_name", "objective")
+        console.print(f"[bold green]best[/] {Path(b.run_dir).name}: {name}={b.objective}  "
+                      f"params={json.dumps(b.hyperparameters)}  checkpoint={b.checkpoint}", highlight=False)
+
+
+def cmd_show(ns: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from . import runs
+
+    folder = Path(ns.dir)
+    records = runs.read_trials(folder)
+    if not records:
+        raise UserError(f"{folder}: no trials found (no run-*/trial.json); give the --output-dir of a sweep")
+    best = runs.read_best(folder)
+    best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
+    if ns.json:
+        print(json.dumps([{**asdict(r), "best": r.id in best_ids} for r in records], indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{folder}: {len(records)} trials")
+    for column in ("#", "run", "state", records[0].objective_name, "params", "time"):
+        table.add_column(column, justify="right" if column in ("#", "time") else "left")
+    for r in records:
+        mark = " [bold green]★[/]" if r.id in best_ids else ""
+        objective = "" if r.objective is None else json.dumps(r.objective) if isinstance(r.objective, list) \
+            else f"{r.objective:.6g}"
+        table.add_row(str(r.number), Path(r.run_dir).name + mark, r.state, objective,
+                      ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.params.items()),
+                      f"{r.duration_s:.1f}s" if r.duration_s is not None else "")
+    Console().print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+    except UserError as exc:
+        print(f"hpsweep: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hpsweep: interrupted; finished trials are saved and running ones recorded as stopped "
+              "(run the same command again to continue)", file=sys.stderr)
+        return 130
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

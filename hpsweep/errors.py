@@ -1,0 +1,23 @@
+"""The one exception type for mistakes a user can make, and the signals a trial sends."""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UserError(Exception):
+    """A mistake the user can fix: a bad space file, argument, parameter or setting.
+
+    The message is one line that names the value, what was expected and the fix. The command
+    line prints it without a traceback and exits with code 2.
+    """
+
+
+class TrialPruned(Exception):
+    """Raised when a backend decided to stop a trial early (pruning, a scheduler's stop)."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`" (did you mean 'x'?)"` for the closest candidate, or `""` when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,120 @@
+"""Live progress of a sweep, read from the trial records on disk.
+
+Reading ``run-*/trial.json`` (re-reading only files that changed) works the same for every
+backend and every process or node that writes there, so the display needs no hook in them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import runs
+
+STATE_STYLE = {"complete": "green", "pruned": "yellow", "failed": "red", "stopped": "magenta"}
+
+
+class SweepProgress:
+    """A rich progress bar (trials done, best so far, time left) and one line per finished trial."""
+
+    def __init__(self, output_dir: Path, *, n_trials: int | None, timeout: float | None, directions: list[str],
+                 objective_name: str, interval: float = 0.5) -> None:
+        from rich.console import Console
+
+        self.output_dir, self.n_trials, self.timeout = output_dir, n_trials, timeout
+        self.directions, self.objective_name, self.interval = directions, objective_name, interval
+        self.console = Console(stderr=True)
+        self._printed: set[str] = set()
+        self._cache: dict[str, tuple[float, runs.TrialRecord]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._start = time.monotonic()
+        self._finished_before = {r.id for r in runs.read_trials(self.output_dir) if r.state != "running"}
+        self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn("{task.fields[left]}"), TextColumn("{task.fields[best]}"),
+                                  console=self.console, transient=True)
+        self._task = self._progress.add_task("sweep", total=self.n_trials, left="", best="")
+        self._progress.start()
+        self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._tick()
+            self._progress.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._tick()
+            except Exception:  # a display must never take a sweep down
+                pass
+
+    def _tick(self) -> None:
+        records = self._read()
+        done = [r for r in records if r.state != "running"]
+        for r in done:
+            if r.id not in self._printed and r.id not in self._finished_before:
+                self._print_trial(r)
+                self._printed.add(r.id)
+        best = runs.best_records(records, self.directions)
+        best_text = ""
+        if len(self.directions) == 1 and best:
+            best_text = f"best {self.objective_name}={_fmt(best[0].objective)} ({Path(best[0].run_dir).name})"
+        elif best:
+            best_text = f"Pareto front: {len(best)} trials"
+        self._progress.update(self._task, completed=len(done), best=best_text, left=self._time_left(done))
+
+    def _time_left(self, done: list[runs.TrialRecord]) -> str:
+        elapsed = time.monotonic() - self._start
+        new = [r for r in done if r.id not in self._finished_before]
+        estimates = []
+        if self.timeout:
+            estimates.append(max(0.0, self.timeout - elapsed))
+        if self.n_trials and new:
+            estimates.append(elapsed / len(new) * max(0, self.n_trials - len(done)))
+        return f"~{_duration(min(estimates))} left" if estimates else ""
+
+    def _print_trial(self, r: runs.TrialRecord) -> None:
+        style = STATE_STYLE.get(r.state, "white")
+        params = " ".join(f"{k}={_fmt(v)}" for k, v in r.params.items())
+        value = f"{self.objective_name}={_fmt(r.objective)}" if r.objective is not None else (r.error or "")
+        self._progress.console.print(f"[{style}]{r.state:>8}[/] {Path(r.run_dir).name:<10} {value}  "
+                                     f"[dim]{params}  {r.duration_s or 0:.1f}s[/]", highlight=False)
+
+    def _read(self) -> list[runs.TrialRecord]:
+        out = []
+        for path in runs._trial_files(self.output_dir):
+            try:
+                mtime = os.stat(path).st_mtime
+            except OSError:
+                continue
+            cached = self._cache.get(str(path))
+            if cached is None or cached[0] != mtime:
+                record = runs.TrialRecord.load(path)
+                if record is None:
+                    continue
+                cached = self._cache[str(path)] = (mtime, record)
+            out.append(cached[1])
+        return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

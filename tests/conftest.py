@@ -1,0 +1,88 @@
+"""Shared helpers: tests read like a user's session (write a space file, run the CLI, look at disk)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny, fast, real space file: a 2-layer MLP on a fixed synthetic 4-class problem.
+TINY_SPACE = '''
+import torch
+from torch import nn
+import hpsweep
+
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    y = (x @ w).argmax(-1)
+    return torch.utils.data.TensorDataset(x, y)
+
+def train_dataset():
+    return _data(256, 1)
+
+def eval_dataset():
+    return _data(128, 2)
+
+class Net(nn.Module):
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {{"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}}
+
+def compute_metrics(p):
+    return {{"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}}
+
+{model_init}
+
+space = {space}
+args = hpsweep.TrainingArguments(output_dir={output_dir!r}, num_train_epochs={epochs}, per_device_train_batch_size=32,
+                                 per_device_eval_batch_size=128, disable_progress=True{extra_args})
+objective = {objective!r}
+direction = {direction!r}
+{extra}
+'''
+
+DEFAULT_MODEL_INIT = '''
+def model_init(trial):
+    return Net(hidden=(trial.params.get("hidden", 16) if trial is not None else 16))
+'''
+DEFAULT_SPACE = ('{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
+                 '"hidden": hpsweep.Int(8, 32, step=8)}')
+
+
+def write_space(folder: Path, *, name: str = "space.py", space: str = DEFAULT_SPACE,
+                model_init: str = DEFAULT_MODEL_INIT, epochs: int = 2, objective: str = "eval_accuracy",
+                direction: str = "maximize", extra: str = "", extra_args: str = "",
+                output_dir: str | None = None) -> Path:
+    """Write a tiny real space file into ``folder`` and return its path."""
+    path = folder / name
+    path.write_text(TINY_SPACE.format(model_init=textwrap.dedent(model_init), space=space,
+                                      output_dir=output_dir or str(folder / "out"), epochs=epochs,
+                                      objective=objective, direction=direction, extra=textwrap.dedent(extra),
+                                      extra_args=extra_args))
+    return path
+
+
+def hpsweep_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300,
+                check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``hpsweep ARGS`` in a fresh process, as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "hpsweep.cli", *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpsweep {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def space_file(tmp_path: Path) -> Path:
+    return write_space(tmp_path)
