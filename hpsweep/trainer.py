@@ -41,13 +41,15 @@ def resolve_dataset(dataset: Any) -> Any:
     """A dataset, or a 0-argument factory called once per process (lazy loading on workers)."""
     if dataset is None or isinstance(dataset, Dataset) or not callable(dataset):
         return dataset
-    key = id(dataset)
+    # A factory unpickled afresh for every trial (Ray) is the same function: key it by name.
+    qualname = getattr(dataset, "__qualname__", "")
+    key: Any = (dataset.__module__, qualname) if qualname and "<" not in qualname else id(dataset)
     if key not in _DATASETS:
         loaded = dataset()
         if loaded is None:
             raise UserError(f"the dataset factory {getattr(dataset, '__name__', dataset)!r} returned None; "
                             "return a torch Dataset")
-        _DATASETS[key] = (dataset, loaded)  # holding the factory keeps its id unique
+        _DATASETS[key] = (dataset, loaded)  # holding the factory keeps an id key unique
     return _DATASETS[key][1]
 
 
