@@ -3,7 +3,9 @@ the chosen backend. The runner trains one trial, records it in ``run-<id>/trial.
 promotes it to ``best/`` when it beats the best so far. Backends only decide what to try."""
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -93,7 +95,8 @@ class TrialRunner:
         fresh = not run_dir.exists()
         record = runs.TrialRecord(id=trial.id, number=trial.number, backend=self.backend, params=dict(trial.params),
                                   objective_name=job.objective_name, directions=list(job.directions),
-                                  run_dir=str(run_dir))
+                                  run_dir=str(run_dir),
+                                  user_attrs={**trial.user_attrs, "pid": os.getpid(), "host": socket.gethostname()})
         try:
             args = _trial_args(job, trial.params, run_dir)
             record.save()
@@ -104,13 +107,13 @@ class TrialRunner:
                               compute_metrics=job.compute_metrics, callbacks=[*job.callbacks, *extra, reporter])
             trainer.train(resume_from_checkpoint=trial.user_attrs.get("resume_from"), trial=trial)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
-            record.history = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
+            record.history = _eval_history(trainer)
             if reporter.pruned:
                 record.finish("pruned")
                 raise TrialPruned(f"trial {trial.number} pruned at evaluation {trainer.state.num_evaluations}")
             metrics = _final_metrics(trainer)
             record.metrics = metrics
-            record.history = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
+            record.history = _eval_history(trainer)
             record.checkpoint = _final_checkpoint(trainer).name
             record.finish("complete", objective=job.objective_value(metrics))
         except (TrialPruned, TrialFailed):
@@ -140,6 +143,10 @@ def _trial_args(job: SweepJob, params: Mapping[str, Any], run_dir: Path) -> Trai
     if args.metric_for_best_model is None and isinstance(job.objective, str) and len(job.directions) == 1:
         changes.update(metric_for_best_model=job.objective, greater_is_better=job.directions[0] == "maximize")
     return args.replace(**changes)
+
+
+def _eval_history(trainer: Any) -> list[dict[str, Any]]:
+    return [h for h in trainer.state.log_history if "eval_loss" in h]
 
 
 def _final_metrics(trainer: Any) -> dict[str, float]:

@@ -155,23 +155,21 @@ class OptunaBackend(Backend):
         self._optimize_in_processes(trial_fn, remaining)
 
     def _requeue_stopped(self, study: optuna.Study) -> None:
-        """Trials stopped by Ctrl-C or a crash run again, resuming from their last checkpoint."""
+        """Trials stopped by Ctrl-C run again with the same params, resuming from their last checkpoint."""
         from .. import runs
 
-        failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-                  if not t.user_attrs.get("requeued")]
-        if not failed:
+        trials = study.get_trials(deepcopy=False)
+        requeued = _requeued(trials)
+        pending = [t for t in trials if t.state == TrialState.FAIL and t.number not in requeued]
+        if not pending:
             return
         stopped = {r.number: r for r in runs.read_trials(self.settings.output_dir)
                    if r.backend == "optuna" and r.state == "stopped"}
-        for t in failed:
-            record = stopped.get(t.number)
-            if record is None:
-                continue
-            latest = runs.latest_checkpoint(Path(record.run_dir))
-            study._storage.set_trial_user_attr(t._trial_id, "requeued", True)
-            study.enqueue_trial(t.params, user_attrs={"resume_from": str(latest)} if latest else {},
-                                skip_if_exists=False)
+        for t in pending:
+            if t.number in stopped:
+                latest = runs.latest_checkpoint(Path(stopped[t.number].run_dir))
+                attrs = {"requeued_from": t.number, **({"resume_from": str(latest)} if latest else {})}
+                study.enqueue_trial(t.params, user_attrs=attrs, skip_if_exists=False)
 
     def _optimize(self, study: optuna.Study, trial_fn: TrialFunction, n_trials: int | None) -> None:
         s = self.settings
@@ -244,9 +242,15 @@ class _StopAtTotal:
             study.stop()
 
 
+def _requeued(trials: Sequence[Any]) -> set[int]:
+    return {t.user_attrs["requeued_from"] for t in trials if "requeued_from" in t.user_attrs}
+
+
 def _finished(study: optuna.Study) -> int:
-    trials = study.get_trials(deepcopy=False, states=FINISHED)
-    return sum(1 for t in trials if not t.user_attrs.get("requeued"))
+    """Finished trials, not counting stopped ones that were queued to run again."""
+    trials = study.get_trials(deepcopy=False)
+    requeued = _requeued(trials)
+    return sum(1 for t in trials if t.state in FINISHED and t.number not in requeued)
 
 
 def _split(total: int | None, parts: int) -> list[int | None]:
