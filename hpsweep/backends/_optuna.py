@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,6 @@ class OptunaBackend(Backend):
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
-        if settings.scheduler is not None:
-            raise UserError(f"--scheduler {settings.scheduler}: schedulers belong to --backend ray; "
-                            "use --pruner with optuna")
         if settings.address is not None:
             raise UserError("--address names a Ray cluster; add --backend ray")
         if (settings.sampler or "tpe") == "grid":
@@ -125,6 +123,18 @@ class OptunaBackend(Backend):
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
 
     def load_study(self, worker: int = 0) -> optuna.Study:
+        # Processes starting together race to create the tables and the study: try again.
+        for attempt in range(6):
+            try:
+                return self._load_study(worker)
+            except _StorageError as exc:
+                if attempt == 5:
+                    raise UserError(f"--storage {self.storage_url} cannot be opened ({exc}); "
+                                    "check the URL and that the database is reachable") from None
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _load_study(self, worker: int) -> optuna.Study:
         s = self.settings
         try:
             return optuna.create_study(storage=self._storage(), study_name=s.study_name, sampler=self._sampler(worker),
@@ -136,8 +146,7 @@ class OptunaBackend(Backend):
             raise UserError(f"--storage {self.storage_url}: {exc}") from None
         except Exception as exc:
             if type(exc).__module__.startswith("sqlalchemy"):
-                raise UserError(f"--storage {self.storage_url} cannot be opened ({type(exc).__name__}); "
-                                "check the URL and that the database is reachable") from None
+                raise _StorageError(type(exc).__name__) from None
             raise
 
     # --- running ---------------------------------------------------------------------------------------
@@ -229,6 +238,10 @@ def _worker(backend: OptunaBackend, trial_fn: TrialFunction, index: int, n_trial
     except Exception as exc:
         errors.put(("internal", f"{type(exc).__name__}: {exc}"))
         os._exit(1)
+
+
+class _StorageError(Exception):
+    """The storage refused a connection or a write (often a race between starting processes)."""
 
 
 class _StopAtTotal:
