@@ -146,10 +146,14 @@ class TrainingArguments:
             key, sep, raw = item.partition("=")
             if not sep or not key.strip():
                 raise UserError(f"--set {item!r}: write it as key=value, e.g. --set learning_rate=1e-3")
+            key = key.strip()
+            if _FIELD_TYPES.get(key) in (str, Optional[str]) and raw.strip():
+                changes[key] = raw  # YAML would read save_strategy=no as False
+                continue
             try:
-                changes[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+                changes[key] = yaml.safe_load(raw) if raw.strip() else None
             except yaml.YAMLError:
-                changes[key.strip()] = raw
+                changes[key] = raw
         return self.replace(_source="--set", **changes)
 
     def to_dict(self) -> dict[str, Any]:

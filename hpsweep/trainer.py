@@ -57,13 +57,13 @@ def model_init_arity(model_init: Callable[..., Any]) -> int:
     """0 or 1: how many arguments ``model_init`` takes (a `UserError` for anything else)."""
     if not callable(model_init):
         raise UserError(f"model_init is {model_init!r}; define a function returning a fresh torch.nn.Module")
-    params = [p for p in inspect.signature(model_init).parameters.values()
-              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    optional = [p for p in inspect.signature(model_init).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) > 1:
-        raise UserError(f"model_init takes {len(params)} arguments; it takes none, or one: the trial")
-    return 1 if params or optional else 0
+    signature = inspect.signature(model_init).parameters
+    required = [p for p in signature.values()
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise UserError(f"model_init takes {len(required)} arguments; it takes none, or one: the trial")
+    # `def model_init(trial=None)` (HF style) takes the trial; `MyNet(hidden=16)` does not.
+    return 1 if required or "trial" in signature else 0
 
 
 class Trainer:

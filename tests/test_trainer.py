@@ -1,0 +1,229 @@
+"""The Python API: the Trainer loop, callbacks, checkpoints and hyperparameter_search as users call them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hpsweep
+from hpsweep import runs
+from hpsweep.arguments import TrainingArguments
+from hpsweep.errors import UserError
+
+from conftest import ROOT, hpsweep_cli, write_space
+
+
+def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    y = (x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).argmax(-1)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+TRAIN, EVAL = data(200, 1), data(100, 2)
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 16, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 4))
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def accuracy(p: hpsweep.EvalPrediction) -> dict:
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+
+def make_trainer(out: Path, callbacks=(), **kw) -> hpsweep.Trainer:
+    args = TrainingArguments(output_dir=str(out), num_train_epochs=kw.pop("num_train_epochs", 3),
+                             per_device_train_batch_size=32, learning_rate=kw.pop("learning_rate", 1e-2),
+                             disable_progress=True, **kw)
+    return hpsweep.Trainer(model_init=Net, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                           compute_metrics=accuracy, callbacks=list(callbacks))
+
+
+class Recorder(hpsweep.TrainerCallback):
+    """Counts events and keeps a counter that must survive a resume."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.steps_seen = 0
+
+    def __getattribute__(self, name: str):
+        if name.startswith("on_"):
+            events = object.__getattribute__(self, "events")
+
+            def record(args, state, control, **kwargs):
+                events.append(name)
+                if name == "on_step_end":
+                    self.steps_seen += 1
+            return record
+        return object.__getattribute__(self, name)
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = state["steps_seen"]
+
+
+for _event in hpsweep.callbacks.EVENTS:  # overriding every event, as a user subclass would
+    setattr(Recorder, _event, lambda self, *a, **k: None)
+
+
+def test_train_fires_every_event_and_steps_follow_the_arguments(tmp_path: Path) -> None:
+    rec = Recorder()
+    trainer = make_trainer(tmp_path, [rec], gradient_accumulation_steps=2)
+    out = trainer.train()
+    steps_per_epoch = -(-7 // 2)  # ceil(200/32)=7 batches, 2 per optimizer step
+    assert out.global_step == 3 * steps_per_epoch == trainer.state.global_step
+    assert rec.events.count("on_step_end") == out.global_step
+    assert rec.events.count("on_substep_end") == 3 * 7 - out.global_step
+    assert rec.events.count("on_evaluate") == 3 and rec.events.count("on_save") == 3
+    assert set(hpsweep.callbacks.EVENTS) - {"on_exception"} <= set(rec.events)
+    assert rec.events[:2] == ["on_init_end", "on_train_begin"] and rec.events[-1] == "on_train_end"
+    assert out.metrics["eval_accuracy"] > 0.5
+
+
+def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None:
+    full = make_trainer(tmp_path / "full", [Recorder()], save_strategy="steps", save_steps=4)
+    full.train()
+    expected = {k: v.clone() for k, v in full.model.state_dict().items()}
+    for step in (4, 12):  # mid-epoch and across an epoch boundary (7 steps per epoch)
+        rec = Recorder()
+        resumed = make_trainer(tmp_path / f"r{step}", [rec], save_strategy="steps", save_steps=4)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
+        got = resumed.model.state_dict()
+        assert all(torch.equal(expected[k], got[k]) for k in expected), step
+        assert resumed.state.global_step == full.state.global_step
+        assert rec.steps_seen == full.state.global_step  # callback state came back with the checkpoint
+        assert resumed.state.log_history[-1] == full.state.log_history[-1]
+
+
+def test_save_total_limit_rotates_but_keeps_the_best(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=6, learning_rate=0.3, save_total_limit=1,
+                           metric_for_best_model="eval_loss", greater_is_better=False)
+    trainer.train()
+    kept = [p.name for p in runs.checkpoints(tmp_path)]
+    best = Path(trainer.state.best_model_checkpoint).name
+    assert best in kept and f"checkpoint-{trainer.state.global_step}" in kept and len(kept) <= 2
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert trainer.state.best_metric == min(h["eval_loss"] for h in evals)
+
+
+def test_load_best_model_at_end_restores_the_best_weights(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=5, learning_rate=0.5, load_best_model_at_end=True,
+                           metric_for_best_model="eval_accuracy", greater_is_better=True)
+    out = trainer.train()
+    assert out.metrics["eval_accuracy"] == trainer.state.best_metric
+    assert trainer.evaluate()["eval_accuracy"] == pytest.approx(trainer.state.best_metric)
+
+
+def test_early_stopping_stops_when_the_metric_stalls(tmp_path: Path) -> None:
+    stopper = hpsweep.EarlyStoppingCallback(early_stopping_patience=2)
+    trainer = make_trainer(tmp_path, [stopper], num_train_epochs=50, learning_rate=1e-6,
+                           metric_for_best_model="eval_accuracy", greater_is_better=True)
+    trainer.train()
+    assert trainer.state.epoch < 50 and stopper.bad_evaluations == 2
+
+
+def test_metric_callback_adds_a_non_differentiable_metric(tmp_path: Path) -> None:
+    errors = hpsweep.MetricCallback(lambda p, y: float((p.argmax(-1) != y).sum()), name="errors")
+    trainer = make_trainer(tmp_path, [errors], num_train_epochs=1)
+    metrics = trainer.train().metrics
+    assert metrics["eval_errors"] == pytest.approx(round((1 - metrics["eval_accuracy"]) * 100))
+
+
+def test_bf16_mixed_precision_trains_through_the_same_loop(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=2, bf16=True)
+    out = trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert out.metrics["eval_accuracy"] > 0.4
+    weights = json.loads((tmp_path / f"checkpoint-{out.global_step}" / "training_args.json").read_text())
+    assert weights["mixed_precision"] == "bf16"
+
+
+def test_lr_schedules_follow_warmup_and_decay(tmp_path: Path) -> None:
+    for kind, check in [("linear", lambda lrs: lrs[-1] < lrs[len(lrs) // 2] < max(lrs)),
+                        ("constant", lambda lrs: len(set(lrs)) == 1),
+                        ("cosine", lambda lrs: lrs[-1] < 1e-4)]:
+        trainer = make_trainer(tmp_path / kind, num_train_epochs=2, lr_scheduler_type=kind, warmup_steps=3,
+                               logging_strategy="steps", logging_steps=1)
+        trainer.train()
+        lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+        assert len(lrs) == 14 and check(lrs), (kind, lrs)
+        if kind != "constant":
+            assert lrs[0] < lrs[2]  # warming up
+
+
+def test_hyperparameter_search_api_with_hf_style_define_by_run(tmp_path: Path) -> None:
+    """Code written for HF's Trainer.hyperparameter_search moves over with the import changed."""
+    def model_init(trial):
+        hidden = trial.suggest_int("hidden", 4, 32, log=True) if trial is not None else 16
+        return Net(hidden=hidden)
+
+    def hp_space(trial):
+        return {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True),
+                "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 2)}
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=32, disable_progress=True)
+    trainer = hpsweep.Trainer(model_init=model_init, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                              compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(hp_space=hp_space, n_trials=3, direction="maximize",
+                                         compute_objective=lambda m: m["eval_accuracy"], show_progress=False)
+    assert isinstance(best, hpsweep.BestRun)
+    assert set(best.hyperparameters) == {"learning_rate", "num_train_epochs", "hidden"}
+    assert Path(best.checkpoint, "model.safetensors").exists()
+    record = next(r for r in runs.read_trials(tmp_path) if r.id == best.run_id)
+    assert record.objective == best.objective == record.metrics["eval_accuracy"]
+
+
+def test_hp_space_is_refused_for_grid_search(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(UserError, match="grid"):
+        trainer.hyperparameter_search(hp_space=lambda t: {}, sampler="grid", show_progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_config_file_and_set_override_the_space_file(tmp_path: Path) -> None:
+    space = write_space(tmp_path, space='{"hidden": hpsweep.Categorical([8])}', extra_args=", seed=1")
+    config = tmp_path / "args.yaml"
+    config.write_text("learning_rate: 0.05\nseed: 7\nnum_train_epochs: 3\n")
+    hpsweep_cli("run", space, "--n-trials", "1", "--config", config, "--set", "seed=11", "--set", "save_strategy=no",
+                check=True)
+    record = runs.read_trials(tmp_path / "out")[0]
+    args = json.loads((Path(record.run_dir) / record.checkpoint / "training_args.json").read_text())
+    assert (args["learning_rate"], args["seed"], args["num_train_epochs"]) == (0.05, 11, 3.0)
+    assert args["save_strategy"] == "no"  # a string field keeps the text YAML would read as False
+    assert [p.name for p in runs.checkpoints(Path(record.run_dir))] == ["checkpoint-24"]  # only the final one
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(per_device_train_batch_size=0), "must be > 0"),
+    (dict(eval_strategy="sometimes"), "not one of no, steps, epoch"),
+    (dict(save_strategy="steps"), "save_steps"),
+    (dict(warmup_ratio=1.5), "[0, 1)"),
+    (dict(fp16=True, bf16=True), "choose one"),
+    (dict(load_best_model_at_end=True, eval_strategy="no"), "load_best_model_at_end"),
+    (dict(num_train_epochs="three"), "not a valid float"),
+])
+def test_training_arguments_are_validated_on_construction(bad: dict, message: str) -> None:
+    with pytest.raises(UserError, match=None) as info:
+        TrainingArguments(**bad)
+    assert message in str(info.value)
+
+
+def test_hf_transformers_space_pushes_a_from_pretrained_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    hpsweep_cli("run", ROOT / "search_spaces" / "hf_text_classifier.py", "--n-trials", "2", "--output-dir",
+                tmp_path, "--set", "num_train_epochs=1", check=True)
+    best = json.loads((tmp_path / "best_run.json").read_text())
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "best")
+    assert model.config.hidden_size == best["hyperparameters"]["hidden_size"]
+    assert (tmp_path / "best" / "config.json").exists() and (tmp_path / "best" / "model.safetensors").exists()
