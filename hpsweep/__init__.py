@@ -13,7 +13,8 @@ from .trial import Trial
 
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": ".trainer", "run": ".api", "SweepCallback": ".sweep"}
+_LAZY = {"Trainer": ".trainer", "run": ".api", "SweepCallback": ".sweep",
+         "PushToHubCallback": ".integrations.hub", "MLflowTracker": ".integrations.mlflow"}
 
 
 def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used

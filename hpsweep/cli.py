@@ -44,12 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="set_args", action="append", default=[], metavar="KEY=VALUE",
                      help="override one TrainingArguments field (repeatable)")
     run.add_argument("--seed", type=int, help="seed for the sampler")
+    run.add_argument("--mlflow", nargs="?", const="", metavar="TRACKING_URI",
+                     help="track the sweep in MLflow (default URI: $MLFLOW_TRACKING_URI, else MLflow's local default)")
+    run.add_argument("--mlflow-fatal", action="store_true", help="stop the sweep when MLflow tracking fails")
+    run.add_argument("--mlflow-log-best", action="store_true", help="upload best/ as an artifact of the MLflow run")
+    run.add_argument("--push-to-hub", metavar="REPO_ID", help="push the best run to this Hugging Face Hub repo")
+    run.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
+    run.add_argument("--hub-revision", metavar="BRANCH", help="push to this branch of the Hub repo")
     run.set_defaults(func=cmd_run)
 
     show = sub.add_parser("show", help="the trials of a sweep as a table")
     show.add_argument("dir", help="the sweep's output folder")
     show.add_argument("--json", action="store_true", help="print the trials as JSON")
     show.set_defaults(func=cmd_show)
+
+    report = sub.add_parser("report", help="an HTML page with plots of the sweep (DIR/report.html)")
+    report.add_argument("dir", help="the sweep's output folder")
+    report.add_argument("--output", help="where to write the page (default: DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+
+    push = sub.add_parser("push", help="push the best run, with a model card, to the Hugging Face Hub")
+    push.add_argument("dir", help="the sweep's output folder")
+    push.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME (the token: `hf auth login` or HF_TOKEN)")
+    push.add_argument("--private", action="store_true", help="create the repo as private")
+    push.add_argument("--revision", metavar="BRANCH", help="push to this branch (created if needed)")
+    push.set_defaults(func=cmd_push)
     return parser
 
 
@@ -73,10 +92,38 @@ def cmd_run(ns: argparse.Namespace) -> int:
         "timeout": ns.timeout, "storage": ns.storage, "sampler": ns.sampler, "pruner": ns.pruner,
         "scheduler": ns.scheduler, "address": ns.address, "resources_per_trial": ns.resources_per_trial,
         "seed": ns.seed}.items() if v is not None}
+    options["sweep_callbacks"] = _sweep_callbacks(ns)
     best = run(ns.space_file, backend=ns.backend, n_trials=ns.n_trials, output_dir=ns.output_dir,
                config=ns.config, set_args=ns.set_args, study_name=ns.study_name, resume=ns.resume,
                n_jobs=ns.n_jobs, **options)
     _print_best(best)
+    return 0
+
+
+def _sweep_callbacks(ns: argparse.Namespace) -> list[Any]:
+    callbacks: list[Any] = []
+    if ns.mlflow is not None:
+        from .integrations.mlflow import MLflowTracker
+
+        callbacks.append(MLflowTracker(ns.mlflow or None, fatal=ns.mlflow_fatal, log_best_checkpoint=ns.mlflow_log_best))
+    if ns.push_to_hub:
+        from .integrations.hub import PushBestAtEnd
+
+        callbacks.append(PushBestAtEnd(ns.push_to_hub, private=ns.hub_private, revision=ns.hub_revision))
+    return callbacks
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from .integrations.report import write_report
+
+    print(write_report(Path(ns.dir), Path(ns.output) if ns.output else None))
+    return 0
+
+
+def cmd_push(ns: argparse.Namespace) -> int:
+    from .integrations.hub import push_best
+
+    print(push_best(Path(ns.dir), ns.repo_id, private=ns.private, revision=ns.revision))
     return 0
 
 

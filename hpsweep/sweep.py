@@ -238,7 +238,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               storage=storage, resume=resume, sampler=sampler, pruner=pruner, scheduler=scheduler,
                               seed=seed, address=address,
                               resources_per_trial=dict(resources_per_trial or {"cpu": 1.0, "gpu": 0.0}),
-                              options=options)
+                              options=options, backend=backend)
     chosen = get_backend(backend, settings)
     job = SweepJob(model_init=trainer.model_init, args=trainer.args, train_dataset=trainer.train_dataset,
                    eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,

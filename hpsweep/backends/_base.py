@@ -43,6 +43,7 @@ class SearchSettings:
     address: str | None = None
     resources_per_trial: dict[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
     options: dict[str, Any] = field(default_factory=dict)
+    backend: str = ""  # the backend's name, for sweep callbacks that record it (MLflow, model cards)
 
     @property
     def multi_objective(self) -> bool:
