@@ -327,10 +327,19 @@ def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
         best = BestRun.from_record(record)
         if best.checkpoint and Path(best.checkpoint).is_dir():
             with atomic_dir(output_dir / BEST_DIR) as tmp:
-                shutil.copytree(best.checkpoint, tmp, dirs_exist_ok=True)
+                shutil.copytree(best.checkpoint, tmp, dirs_exist_ok=True, copy_function=_link_or_copy)
                 (tmp / "README.md").write_text(best_run_readme(best))
         write_json(output_dir / BEST_FILE, best.to_dict())
         return True
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a checkpoint file (instant, no extra disk: checkpoint files are never modified
+    after their folder is renamed into place, and rotation only unlinks them); copy across devices."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def read_best(output_dir: Path) -> BestRun | list[BestRun] | None:

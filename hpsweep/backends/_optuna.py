@@ -119,7 +119,9 @@ class OptunaBackend(Backend):
         url = self.storage_url
         if url.startswith("sqlite"):
             # Several processes write one SQLite file: wait for its lock instead of failing.
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+            _fast_sqlite(storage)
+            return storage
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
 
     def load_study(self, worker: int = 0) -> optuna.Study:
@@ -238,6 +240,26 @@ def _worker(backend: OptunaBackend, trial_fn: TrialFunction, index: int, n_trial
     except Exception as exc:
         errors.put(("internal", f"{type(exc).__name__}: {exc}"))
         os._exit(1)
+
+
+def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
+    """Write-ahead logging without an fsync per commit.
+
+    Every report is a commit; with SQLite's defaults each one waits for the disk (~7 ms here,
+    ~20 per trial). In WAL mode with synchronous=NORMAL a commit survives a crash of the
+    process (what a sweep must survive) and needs no fsync; only a power cut may lose the last
+    commits. Readers no longer block the writer either, which helps --n-jobs.
+    """
+    import sqlalchemy
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    sqlalchemy.event.listen(storage.engine, "connect", on_connect)
+    storage.engine.dispose()  # connections opened while the storage set itself up get the pragmas too
 
 
 class _StorageError(Exception):
