@@ -255,19 +255,17 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
 
         progress = SweepProgress(output_dir, n_trials=n_trials, timeout=timeout, directions=directions,
                                  objective_name=job.objective_name)
-    interrupted = False
+    finished = False
     try:
         for sc in job.sweep_callbacks:
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
         chosen.run(TrialRunner(job, backend))
+        finished = True
     except UserError:
         if not existed:
             shutil.rmtree(output_dir, ignore_errors=True)
-        raise
-    except KeyboardInterrupt:
-        interrupted = True
         raise
     finally:
         if progress:
@@ -275,8 +273,8 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         if output_dir.exists():
             records = runs.read_trials(output_dir)
             best = runs.read_best(output_dir)
-            for sc in job.sweep_callbacks:
-                sc.on_sweep_end(best, records, interrupted)
+            for sc in job.sweep_callbacks:  # interrupted: Ctrl-C or an error; pushers skip, trackers close
+                sc.on_sweep_end(best, records, interrupted=not finished)
     if best is None:
         states = sorted({r.state for r in records})
         raise UserError(f"no trial completed ({len(records)} trials: {', '.join(states) or 'none ran'}); "
