@@ -230,7 +230,9 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if trainer.eval_dataset is None:
         raise UserError("a search evaluates every trial: give an eval_dataset")
 
-    output_dir = Path(trainer.args.output_dir)
+    # Absolute, so trials that run in another working directory (Ray workers) write here too.
+    output_dir = Path(trainer.args.output_dir).resolve()
+    args = trainer.args.replace(output_dir=str(output_dir))
     settings = SearchSettings(output_dir=output_dir, space=dict(space) if space else None, hp_space=hp_space,
                               directions=directions,
                               objective_name=objective if isinstance(objective, str) else "objective",
@@ -240,7 +242,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               resources_per_trial=dict(resources_per_trial or {"cpu": 1.0, "gpu": 0.0}),
                               options=options, backend=backend)
     chosen = get_backend(backend, settings)
-    job = SweepJob(model_init=trainer.model_init, args=trainer.args, train_dataset=trainer.train_dataset,
+    job = SweepJob(model_init=trainer.model_init, args=args, train_dataset=trainer.train_dataset,
                    eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
                    callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,

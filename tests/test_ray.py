@@ -1,0 +1,199 @@
+"""The Ray backend on a real two-node Ray cluster on this machine: a user's session with
+``hpsweep run --backend ray --address HOST:PORT``, then a look at what is on disk."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hpsweep import runs
+
+from conftest import hpsweep_cli, write_space
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+@dataclass
+class Cluster:
+    address: str
+    env: dict[str, str]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_processes_under(marker: str) -> None:
+    """Stop the Ray processes of this cluster only (found by its temp dir), never other people's."""
+    mine = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    everything = {p.pid: p for p in mine}
+    for p in mine:
+        try:
+            everything.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    for p in everything.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(everything.values()), timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head node and a worker node, 1 CPU each, bound to 127.0.0.1, with token authentication."""
+    temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    try:
+        subprocess.run([RAY, "start", "--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp,
+                        *common], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common], env=env, check=True,
+                       capture_output=True, timeout=120)
+        yield Cluster(f"127.0.0.1:{port}", env)
+    finally:
+        _stop_processes_under(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_sweep(cluster: Cluster, space: Path, out: Path, *extra: str, timeout: float = 240):
+    return hpsweep_cli("run", space, "--backend", "ray", "--address", cluster.address, "--output-dir", out,
+                       "--resources-per-trial", "cpu=1", *extra, env=cluster.env, timeout=timeout)
+
+
+def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Cluster, tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=3)
+    out = tmp_path / "ray-out"
+    proc = _ray_sweep(cluster, space, out, "--n-trials", "6", "--n-jobs", "2", "--scheduler", "asha",
+                      "--sampler", "random", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+
+    records = runs.read_trials(out)
+    assert [r.number for r in records] == list(range(6))
+    assert {r.backend for r in records} == {"ray"}
+    assert {r.state for r in records} <= {"complete", "pruned"}
+    assert any(r.state == "pruned" for r in records), [r.state for r in records]  # ASHA stopped some early
+    pruned = [r for r in records if r.state == "pruned"]
+    assert all(len(r.history) < 3 for r in pruned)
+    assert len({r.user_attrs["ray_node_id"] for r in records}) == 2  # trials ran on both nodes
+
+    best = runs.read_best(out)
+    assert best is not None and best.run_summary["backend"] == "ray"
+    assert best.objective == max(r.objective for r in records if r.state == "complete")
+    assert (out / "best" / "model.safetensors").exists() and (out / "best" / "README.md").exists()
+
+    # The same layout as an Optuna sweep of the same space file.
+    optuna_out = tmp_path / "optuna-out"
+    hpsweep_cli("run", space, "--n-trials", "2", "--output-dir", optuna_out, check=True)
+    visible = lambda d: {p.name if not p.name.startswith("run-") else "run-*" for p in d.iterdir()  # noqa: E731
+                         if not p.name.startswith(".")}
+    assert visible(out) == visible(optuna_out) - {"study.db"}
+    ray_run, optuna_run = Path(records[0].run_dir), Path(runs.read_trials(optuna_out)[0].run_dir)
+    assert {p.name for p in ray_run.iterdir()} == {p.name for p in optuna_run.iterdir()}
+    assert {p.name for p in runs.latest_checkpoint(ray_run).iterdir()} == \
+        {p.name for p in runs.latest_checkpoint(optuna_run).iterdir()}
+    assert set(runs._read_json(ray_run / "trial.json")) == set(runs._read_json(optuna_run / "trial.json"))
+
+
+def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=4)
+    out = tmp_path / "out"
+    proc = _ray_sweep(cluster, space, out, "--n-trials", "4", "--n-jobs", "2", "--scheduler", "pbt", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+
+    records = runs.read_trials(out)
+    assert len(records) == 4 and all(r.state == "complete" for r in records), [r.state for r in records]
+    restored = [r for r in records if r.user_attrs.get("ray_restores", 0) > 0]
+    assert restored, "PBT restored no trial from a checkpoint"
+    for r in restored:
+        assert (Path(r.user_attrs["ray_restored_from"]).name.startswith("checkpoint_")
+                or "checkpoint" in r.user_attrs["ray_restored_from"])
+        assert len(r.history) == 4  # the evaluations before the restore came back with the checkpoint
+    assert runs.read_best(out) is not None and (out / "best" / "model.safetensors").exists()
+
+
+def test_crashing_trial_is_retried_then_recorded_failed(cluster: Cluster, tmp_path: Path) -> None:
+    calls = tmp_path / "calls.txt"
+    model_init = f'''
+    def model_init(trial):
+        with open({str(calls)!r}, "a") as f:
+            f.write(f"{{trial.number}}\\n")
+        if trial.number == 0:
+            raise RuntimeError("boom")
+        return Net(hidden=trial.params["hidden"])
+    '''
+    space = write_space(tmp_path, epochs=1, model_init=model_init)
+    out = tmp_path / "out"
+    proc = _ray_sweep(cluster, space, out, "--n-trials", "2", "--n-jobs", "2", "--sampler", "random")
+    assert proc.returncode == 0, proc.stderr
+    states = {r.number: r.state for r in runs.read_trials(out)}
+    assert states == {0: "failed", 1: "complete"}
+    assert "boom" in (Path(runs.read_trials(out)[0].run_dir) / "error.log").read_text()
+    assert calls.read_text().split().count("0") == 2  # tried, retried once (max_failures=1), then given up
+
+
+def test_interrupted_sweep_continues_with_resume(cluster: Cluster, tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=12)
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--address", cluster.address,
+            "--output-dir", str(out), "--n-trials", "3", "--n-jobs", "1", "--sampler", "random"]
+    proc = subprocess.Popen(args, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(r.history for r in runs.read_trials(out)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert not any(r.state == "complete" for r in runs.read_trials(out)) or len(runs.read_trials(out)) < 3
+
+    resumed = hpsweep_cli(*args[3:], "--resume", env=cluster.env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    records = runs.read_trials(out)
+    assert [r.number for r in records] == [0, 1, 2], [(r.number, r.state) for r in records]
+    assert all(r.state in ("complete", "pruned") for r in records), [(r.number, r.state) for r in records]
+    assert runs.read_best(out) is not None
+
+
+def test_unreachable_address_is_one_line_and_exit_2_within_seconds(tmp_path: Path) -> None:
+    space = write_space(tmp_path)
+    start = time.monotonic()
+    proc = hpsweep_cli("run", space, "--backend", "ray", "--address", f"127.0.0.1:{_free_port()}", timeout=60)
+    assert proc.returncode == 2
+    assert time.monotonic() - start < 20
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--address" in lines[0] and "Ray cluster" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--scheduler", "pbt", "--sampler", "tpe"], "--sampler random"),
+    (["--pruner", "median"], "drop --pruner"),
+    (["--scheduler", "median"], "fifo, asha, hyperband, pbt"),
+    (["--resources-per-trial", "tpu=1"], "cpu=N,gpu=F"),
+])
+def test_settings_the_ray_backend_cannot_honour_are_user_errors(tmp_path: Path, flags: list[str], message: str) -> None:
+    proc = hpsweep_cli("run", write_space(tmp_path), "--backend", "ray", *flags, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
