@@ -297,7 +297,7 @@ class Trainer:
         control.should_save |= args.save_strategy == "epoch"
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
-        control, state = self.control, self.state
+        control = self.control
         if control.should_log and logged_steps:
             logs = {"loss": round(float(running_loss) / logged_steps, 6),
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
@@ -325,9 +325,11 @@ class Trainer:
         from .callbacks import metric_value
 
         value = metric_value(metrics, args.metric_for_best_model, "metric_for_best_model")
+        if not self.control.should_save:  # the best is a checkpoint: only evaluations that get one count
+            return
         if runs.is_better(value, self.state.best_metric, "maximize" if args.greater_is_better else "minimize"):
             self.state.best_metric = value
-            self.state.best_model_checkpoint = str(self._checkpoint_dir()) if self.control.should_save else None
+            self.state.best_model_checkpoint = str(self._checkpoint_dir())
 
     # --- the loss -----------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import optuna
 from optuna.trial import TrialState
 
 from ..errors import TrialPruned, UserError
-from ..space import Categorical, Distribution, Float, Int
+from ..space import Distribution, Float, Int
 from ..trial import Trial
 from ._base import Backend, SearchSettings, TrialFailed, TrialFunction
 

@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # sweeps 0.3 still spells pydantic-v1 config ke
 
 from .. import runs
 from ..errors import TrialPruned, UserError
-from ..space import Categorical, Distribution, Float, Int
+from ..space import Categorical, Distribution, Int
 from ..trial import Trial
 from ._base import Backend, SearchSettings, TrialFailed, TrialFunction
 
