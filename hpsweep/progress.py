@@ -86,9 +86,15 @@ class SweepProgress:
     def _print_trial(self, r: runs.TrialRecord) -> None:
         style = STATE_STYLE.get(r.state, "white")
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r.params.items())
-        value = f"{self.objective_name}={_fmt(r.objective)}" if r.objective is not None else (r.error or "")
-        self._progress.console.print(f"[{style}]{r.state:>8}[/] {Path(r.run_dir).name:<10} {value}  "
-                                     f"[dim]{params}  {r.duration_s or 0:.1f}s[/]", highlight=False)
+        if r.objective is not None:
+            value = f"{self.objective_name}={_fmt(r.objective)}"
+        elif r.state == "pruned":
+            value = f"after {len(r.history)} evaluation{'s' * (len(r.history) != 1)}"
+        else:
+            value = r.error or ""
+        self._progress.console.print(f"[{style}]{r.state:>8}[/] {Path(r.run_dir).name:<10} {r.duration_s or 0:5.1f}s "
+                                     f"{value}  [dim]{params}[/]", highlight=False, no_wrap=True,
+                                     overflow="ellipsis")
 
     def _read(self) -> list[runs.TrialRecord]:
         out = []
