@@ -8,6 +8,8 @@ import pytest
 
 from conftest import hpsweep_cli, write_space
 
+from hpsweep import runs
+
 NO_TRIAL_INIT = '''
 def model_init():
     return Net()
@@ -105,3 +107,11 @@ def test_an_existing_sweep_is_kept_when_a_later_run_is_refused(tmp_path: Path, s
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*"))
     assert_user_error(hpsweep_cli("run", space_file, "--n-trials", "2", "--set", "seed=x"), "seed='x'")
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
+
+
+def test_a_changed_space_on_an_existing_study(tmp_path: Path) -> None:
+    hpsweep_cli("run", write_space(tmp_path), "--n-trials", "1", check=True)
+    changed = write_space(tmp_path, space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
+                                         '"hidden": hpsweep.Categorical([8, 32])}')
+    assert_user_error(hpsweep_cli("run", changed, "--n-trials", "2"), "space['hidden']", "another --study-name")
+    assert [r.state for r in runs.read_trials(tmp_path / "out")] == ["complete"]

@@ -190,7 +190,12 @@ class OptunaBackend(Backend):
             trial = OptunaTrial(otrial, s.multi_objective)
             if space is not None:
                 for name, dist in space.items():
-                    suggest(trial, name, dist)
+                    try:
+                        suggest(trial, name, dist)
+                    except ValueError as exc:  # the stored study knows this name with another distribution
+                        raise UserError(f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} "
+                                        f"recorded ({exc}); keep the space, or use another --study-name or "
+                                        "--output-dir") from None
             try:
                 return trial_fn(trial)
             except TrialPruned:
