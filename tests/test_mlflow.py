@@ -167,3 +167,37 @@ def test_a_dead_server_is_fatal_when_asked(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hpsweep: error: MLflow tracking at") and "--mlflow-fatal" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("backend, extra_args", [
+    ("ray", ["--scheduler", "asha", "--n-jobs", "2"]),
+    ("wandb", ["--sampler", "random"]),
+])
+def test_every_backend_logs_nested_trial_runs(mlflow_server: str, tmp_path: Path, backend: str,
+                                              extra_args: list[str]) -> None:
+    """The parent run id travels with each trial: Ray workers and W&B trials log into the same parent."""
+    from mlflow.tracking import MlflowClient
+
+    space = write_space(tmp_path, name=f"{backend}_sweep.py", epochs=3, extra_args=EVAL_EACH_EPOCH,
+                        space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True)}')
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "RAY_ADDRESS": ""}
+    hpsweep_cli("run", space, "--backend", backend, "--n-trials", "3", "--seed", "0", "--mlflow", mlflow_server,
+                *extra_args, env=env, check=True, timeout=600)
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name(f"{backend}_sweep")
+    runs_ = client.search_runs([experiment.experiment_id], max_results=100)
+    parents = [r for r in runs_ if r.data.tags.get("hpsweep.role") == "sweep"]
+    assert len(parents) == 1 and parents[0].data.params.get("backend") == backend
+    children = [r for r in runs_ if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    records = _records(tmp_path / "out")
+    assert len(children) == len(records) == 3
+    assert {c.info.run_id for c in children} == {r["user_attrs"]["mlflow_run_id"] for r in records.values()}
+    for child in children:
+        state = child.data.tags["hpsweep.state"]
+        assert state in ("complete", "pruned")
+        assert client.get_metric_history(child.info.run_id, "eval_loss")
+        if state == "complete":
+            assert child.data.metrics["objective"] == pytest.approx(
+                next(r for r in records.values() if r["user_attrs"]["mlflow_run_id"] == child.info.run_id)["objective"])
+    assert sum(c.data.tags.get("hpsweep.best") == "true" for c in children) == 1
