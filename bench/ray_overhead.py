@@ -2,16 +2,20 @@
 
     python bench/ray_overhead.py --trials 20 --concurrency 2
 
-Both sides share one local Ray instance and run N trivial trials with the same concurrency:
+All sides share one local Ray instance and run N trials with the same Tune settings
+(``max_concurrent_trials``, ``reuse_actors``, random search, ``CheckpointConfig(num_to_keep=2)``):
 
-- bare:    a Ray Tune function trainable that reports one metric once (Tune's defaults, as a
-           user would write it; also with ``reuse_actors=True``, which hpsweep uses);
-- hpsweep: ``hpsweep.run(space.py, backend="ray")`` on a space file whose "training" is one step
-           of a 1-parameter model on 1 sample: what is left is hpsweep's own per-trial work
-           (trainer set-up, one checkpoint reported to Tune, trial.json, the best-run promotion).
+- trivial:  a function trainable that imports nothing and reports one metric: what Ray Tune itself
+            costs per trial (scheduling, actor start or reset, results);
+- torch:    the fair peer. A function trainable a user writes by hand without hpsweep, doing the
+            same training as the hpsweep space file: imports torch, builds the same 1-parameter
+            model, trains the same step on the same sample, evaluates, saves a state dict and calls
+            ``tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(...))``;
+- hpsweep:  ``hpsweep.run(space.py, backend="ray")`` on that space file (trainer, checkpoint
+            reported to Tune, trial.json, the best-run promotion).
 
-Prints seconds per trial for each, the ratio, and splits hpsweep's time into what Ray costs and
-what hpsweep adds (the time spent inside our trial function, from the trial.json records).
+Each side runs with ``reuse_actors`` off and on. Prints seconds per trial (wall time of the whole
+search / N), the time spent inside the trial function, and hpsweep / torch peer.
 """
 from __future__ import annotations
 
@@ -43,30 +47,72 @@ train_dataset = data
 eval_dataset = data
 space = {"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}
 args = hpsweep.TrainingArguments(output_dir="unused", num_train_epochs=1, per_device_train_batch_size=1,
-                                 per_device_eval_batch_size=1, save_strategy="no", logging_strategy="no",
+                                 per_device_eval_batch_size=1, save_strategy="epoch", logging_strategy="no",
                                  disable_progress=True)
 '''
 
 
-def bare(n: int, concurrency: int, storage: Path, reuse: bool) -> float:
+def trivial_trainable(config: dict) -> None:
     from ray import tune
 
-    def trainable(config: dict) -> None:
-        tune.report({"objective": config["x"]})
+    tune.report({"objective": config["learning_rate"]})
 
-    tuner = tune.Tuner(trainable, param_space={"x": tune.uniform(0, 1)},
+
+def torch_trainable(config: dict) -> None:
+    """What a user writes by hand for the same training: the fair peer of hpsweep's trial."""
+    import torch
+    from ray import tune
+
+    start = time.perf_counter()  # after the imports, like hpsweep's trial.json duration (its runner arrives with torch)
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x, y):
+            return {"loss": ((self.w * x - y) ** 2).mean()}
+
+    data = torch.utils.data.TensorDataset(torch.ones(1, 1), torch.ones(1, 1))
+    model = One()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["learning_rate"])
+    model.train()
+    for x, y in torch.utils.data.DataLoader(data, batch_size=1, shuffle=True):
+        model(x, y)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        losses = [model(x, y)["loss"].item() for x, y in torch.utils.data.DataLoader(data, batch_size=1)]
+    eval_loss = sum(losses) / len(losses)
+    with tempfile.TemporaryDirectory() as folder:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   os.path.join(folder, "checkpoint.pt"))
+        tune.report({"eval_loss": eval_loss, "objective": eval_loss, "inside_s": time.perf_counter() - start},
+                    checkpoint=tune.Checkpoint.from_directory(folder))
+
+
+def bare(trainable, n: int, concurrency: int, storage: Path, reuse: bool) -> tuple[float, float | None]:
+    from ray import tune
+
+    name = f"{trainable.__name__}-{reuse}-{time.monotonic_ns()}"
+    tuner = tune.Tuner(trainable, param_space={"learning_rate": tune.loguniform(1e-3, 1e-1)},
                        tune_config=tune.TuneConfig(num_samples=n, max_concurrent_trials=concurrency,
                                                    metric="objective", mode="min", reuse_actors=reuse),
-                       run_config=tune.RunConfig(name=f"bare-{reuse}", storage_path=str(storage), verbose=0))
+                       run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
+                                                 checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
     start = time.perf_counter()
-    tuner.fit()
-    return (time.perf_counter() - start) / n
+    results = tuner.fit()
+    per_trial = (time.perf_counter() - start) / n
+    inside = [r.metrics["inside_s"] for r in results if r.metrics and "inside_s" in r.metrics]
+    return per_trial, statistics.mean(inside) if inside else None
 
 
-def ours(n: int, concurrency: int, folder: Path, reuse: bool = False) -> tuple[float, float]:
+def ours(n: int, concurrency: int, folder: Path, reuse: bool) -> tuple[float, float]:
     import hpsweep
     from hpsweep import runs
 
+    folder.mkdir(parents=True)
     space = folder / "space.py"
     space.write_text(SPACE)
     out = folder / "hpsweep-out"
@@ -74,8 +120,9 @@ def ours(n: int, concurrency: int, folder: Path, reuse: bool = False) -> tuple[f
     hpsweep.run(space, backend="ray", n_trials=n, n_jobs=concurrency, output_dir=out, sampler="random",
                 show_progress=False, reuse_actors=reuse)
     per_trial = (time.perf_counter() - start) / n
-    inside = statistics.mean(r.duration_s for r in runs.read_trials(out))
-    return per_trial, inside
+    records = runs.read_trials(out)
+    assert len(records) == n and all(r.state == "complete" for r in records), [r.state for r in records]
+    return per_trial, statistics.mean(r.duration_s for r in records)
 
 
 def main() -> None:
@@ -85,43 +132,40 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
     ns = parser.parse_args()
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # the same for both sides
+    from hpsweep.backends._ray import _QUIET_ENV, WORKER_ENV
+
+    for key, value in _QUIET_ENV.items():  # the same environment for every side
+        os.environ.setdefault(key, value)
     import ray
 
     ray.init(address="local", num_cpus=ns.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.ERROR, log_to_driver=False,
-             runtime_env={"env_vars": {"TUNE_FUNCTION_THREAD_TIMEOUT_S": "60"}})
+             logging_level=logging.ERROR, log_to_driver=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    rows: dict[tuple[str, bool], tuple[float, float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="hpbench") as tmp:
         folder = Path(tmp)
-        # Warm both paths once (imports, worker start), so neither side pays first-use costs.
-        bare(2, ns.concurrency, folder / "warm", reuse=False)
-        warm = folder / "warm-ours"
-        warm.mkdir()
-        ours(2, ns.concurrency, warm)
-
-        bare_default = bare(ns.trials, ns.concurrency, folder / "ray", reuse=False)
-        bare_reuse = bare(ns.trials, ns.concurrency, folder / "ray", reuse=True)
-        run_dir = folder / "ours"
-        run_dir.mkdir()
-        ours_per_trial, inside = ours(ns.trials, ns.concurrency, run_dir)
-        reuse_dir = folder / "ours-reuse"
-        reuse_dir.mkdir()
-        ours_reuse, inside_reuse = ours(ns.trials, ns.concurrency, reuse_dir, reuse=True)
+        # Warm every path once (imports into the OS page cache, Ray's worker pool), so no side pays first use.
+        bare(trivial_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
+        bare(torch_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
+        ours(2, ns.concurrency, folder / "warm-ours", reuse=False)
+        for reuse in (False, True):
+            rows["trivial", reuse] = bare(trivial_trainable, ns.trials, ns.concurrency, folder / "ray", reuse)
+            rows["torch", reuse] = bare(torch_trainable, ns.trials, ns.concurrency, folder / "ray", reuse)
+            rows["hpsweep", reuse] = ours(ns.trials, ns.concurrency, folder / f"ours-{reuse}", reuse)
     ray.shutdown()
 
-    ratio = ours_per_trial / bare_default
     print(f"trials={ns.trials} concurrency={ns.concurrency} cpus={ns.cpus} ray={ray.__version__}")
-    print(f"bare Ray Tune (defaults):          {bare_default:.3f} s/trial")
-    print(f"bare Ray Tune (reuse_actors=True): {bare_reuse:.3f} s/trial")
-    print(f"hpsweep --backend ray:             {ours_per_trial:.3f} s/trial  ratio {ratio:.2f} vs bare defaults, "
-          f"{ours_per_trial / bare_reuse:.2f} vs bare with reuse")
-    print(f"hpsweep, reuse_actors=True:        {ours_reuse:.3f} s/trial  ratio {ours_reuse / bare_reuse:.2f} vs bare "
-          f"with reuse (inside the trial: {inside_reuse:.3f} s)")
-    print(f"  of which inside the trial (trainer, checkpoint, trial.json, best/): {inside:.3f} s "
-          f"(wall share with {ns.concurrency} at once: {inside / ns.concurrency:.3f} s/trial)")
-    print(f"  Ray itself (scheduling, actors, results): {bare_default:.3f} s/trial with Tune's defaults")
+    print(f"{'':44} {'reuse_actors=False':>20} {'reuse_actors=True':>20}")
+    labels = {"trivial": "Ray's own cost (trivial trainable), s/trial", "torch": "bare torch trainable, s/trial",
+              "hpsweep": "hpsweep --backend ray, s/trial"}
+    for side, label in labels.items():
+        print(f"{label:44} {rows[side, False][0]:>20.3f} {rows[side, True][0]:>20.3f}")
+    ratio = [rows["hpsweep", r][0] / rows["torch", r][0] for r in (False, True)]
+    print(f"{'ratio hpsweep / bare torch trainable':44} {ratio[0]:>20.2f} {ratio[1]:>20.2f}")
+    for side in ("torch", "hpsweep"):
+        inside = [rows[side, r][1] for r in (False, True)]
+        print(f"{'inside the trial function, s (' + side + ')':44} {inside[0]:>20.3f} {inside[1]:>20.3f}")
+    print("(s/trial: wall time of the whole search / trials; inside: mean time in the trial function after its "
+          "imports; hpsweep's from trial.json, so without the best/ promotion)")
     sys.exit(0)
 
 

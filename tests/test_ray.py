@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
     pruned = [r for r in records if r.state == "pruned"]
     assert all(len(r.history) < 3 for r in pruned)
     assert len({r.user_attrs["ray_node_id"] for r in records}) == 2  # trials ran on both nodes
+    # Actors are reused (the default), also after ASHA stopped the trial an actor ran before.
+    assert len({(r.user_attrs["ray_node_id"], r.user_attrs["pid"]) for r in records}) < len(records)
 
     best = runs.read_best(out)
     assert best is not None and best.run_summary["backend"] == "ray"
@@ -156,14 +159,14 @@ def test_crashing_trial_is_retried_then_recorded_failed(cluster: Cluster, tmp_pa
 
 
 def test_interrupted_sweep_continues_with_resume(cluster: Cluster, tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=12)
+    space = write_space(tmp_path, epochs=60)  # long enough that Ctrl-C lands inside trial 0 on a reused, warm actor
     out = tmp_path / "out"
     args = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--address", cluster.address,
             "--output-dir", str(out), "--n-trials", "3", "--n-jobs", "1", "--sampler", "random"]
     proc = subprocess.Popen(args, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(r.history for r in runs.read_trials(out)):
-        time.sleep(0.2)
+    while time.monotonic() < deadline and not any(runs.checkpoints(Path(r.run_dir)) for r in runs.read_trials(out)):
+        time.sleep(0.2)  # Ctrl-C once trial 0 has saved a checkpoint, long before its 60 epochs end
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
@@ -185,6 +188,41 @@ def test_unreachable_address_is_one_line_and_exit_2_within_seconds(tmp_path: Pat
     assert time.monotonic() - start < 20
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--address" in lines[0] and "Ray cluster" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("reply", [b"", b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"],
+                         ids=["silent", "http"])
+def test_an_open_port_that_is_not_ray_is_one_line_and_exit_2_within_seconds(tmp_path: Path, reply: bytes) -> None:
+    """A port that accepts connections but is no Ray GCS (a web server, a database) must not hang ray.init."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if reply:
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        space = write_space(tmp_path)
+        start = time.monotonic()
+        proc = hpsweep_cli("run", space, "--backend", "ray", "--address", f"127.0.0.1:{server.getsockname()[1]}",
+                           timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 20
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a Ray cluster" in lines[0] and "--address" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -36,7 +36,7 @@ METRIC = "objective"
 USER_ERROR_KEY = "hpsweep_user_error"
 EXPERIMENT_DIR = ".ray"
 CONNECT_TIMEOUT_S = 3.0
-# Set on the workers: with reuse_actors, how long an actor waits for a stopped trial to record itself.
+# Set on the workers: with reuse_actors, how long reset_config() waits for a stopped trial to record itself.
 WORKER_ENV = {"TUNE_FUNCTION_THREAD_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "1"}
 
 # Quiet Ray's console and skip work hpsweep does not need (per-trial CSV/JSON/TensorBoard
@@ -60,19 +60,29 @@ class RayTrial(Trial):
         super().__init__(number, params, id=id)
         self._budget = budget
         self._stopped = False
+        self._detached = False  # Tune has let go of this trial: reporting again would block for ever
 
     def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
+        if self._detached:
+            return
         result = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         result.update(objective_metrics(objective))
         result["evaluation"] = step
         try:
             tune.report(result, checkpoint=tune.Checkpoint.from_directory(checkpoint) if checkpoint else None)
         except SystemExit:
+            # Tune stopped the trial and reads no more of its results: any later report would wait
+            # for ever on Tune's lock (see train_trial's ending).
+            self._detached = True
             # A stop at the last evaluation of the budget is the scheduler ending a finished trial.
             self._stopped = self._budget is None or step < self._budget
 
     def should_prune(self) -> bool:
         return self._stopped
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
 
 
 def objective_metrics(objective: Any) -> dict[str, float]:
@@ -110,6 +120,8 @@ def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
 
 def train_trial(config: dict[str, Any], runner: TrialFunction, budget: int | None = None) -> None:
     """The Tune function trainable: one trial of the sweep, on whichever node Tune placed it."""
+    for key, value in WORKER_ENV.items():  # read by this actor's reset_config(), also when the user called ray.init
+        os.environ.setdefault(key, value)
     ctx = tune.get_context()
     trial = RayTrial(_number(ctx.get_trial_name()), dict(config), id=ctx.get_trial_id(), budget=budget)
     node = ray.get_runtime_context().get_node_id()
@@ -123,9 +135,17 @@ def train_trial(config: dict[str, Any], runner: TrialFunction, budget: int | Non
         except TrialPruned:
             pass
         except UserError as exc:  # the whole sweep cannot go on: tell the driver, do not retry
+            if trial.detached:
+                raise  # Tune reads no more results from this trial; fail it instead
             tune.report({USER_ERROR_KEY: str(exc)})
         finally:
             _note_ray_attrs(runner, trial, earlier, node, folder)
+    if trial.detached:
+        # Tune stopped the trial inside tune.report and we caught that to record it. Returning now
+        # would let Tune's function wrapper report once more ({"__duplicate__": True}) to a session
+        # nobody reads: the thread would hang, reset_config() would time out, and with reuse_actors
+        # the actor's next trial would fail ("Could not re-use actor"). Leave as Tune's stop expects.
+        raise SystemExit(0)
 
 
 def _number(trial_name: str) -> int:
@@ -179,7 +199,7 @@ class RayBackend(Backend):
     ``--resources-per-trial cpu=N,gpu=F`` reserves resources for each (fractional GPUs allowed).
 
     Options (``hyperparameter_search(backend="ray", ...)``): ``max_failures`` (retries of a crashing
-    trial, default 1), ``reuse_actors`` (default False), ``max_t`` (evaluations per trial for
+    trial, default 1), ``reuse_actors`` (default True), ``max_t`` (evaluations per trial for
     ASHA/HyperBand), ``reduction_factor``, ``perturbation_interval`` (PBT, in evaluations),
     ``storage`` (Ray's storage path or URI).
     """
@@ -217,9 +237,10 @@ class RayBackend(Backend):
         else:
             self.storage_path = str(Path(storage).resolve() if storage else settings.output_dir.resolve() / EXPERIMENT_DIR)
         self.max_failures = int(settings.options.get("max_failures", 1))
-        # Reusing actors saves a worker start per trial, but Tune then resets an actor whose stopped
-        # trial may still be recording itself, and fails the next trial when that takes a while.
-        self.reuse_actors = bool(settings.options.get("reuse_actors", False))
+        # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
+        # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
+        # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
+        self.reuse_actors = bool(settings.options.get("reuse_actors", True))
 
     # --- connecting ---------------------------------------------------------------------------------
 
@@ -451,11 +472,38 @@ def check_reachable(address: str) -> None:
     if not host or not port.isdigit():
         raise UserError(f"--address {address!r} is not auto, HOST:PORT or ray://HOST:10001")
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
-            pass
+        speaks_grpc = _speaks_grpc(host, int(port))
     except OSError as exc:
         raise UserError(f"--address {address}: no Ray cluster answers there ({exc.strerror or type(exc).__name__}); "
                         "check the address, that the head node runs (`ray status`) and that its port is open") from None
+    if not speaks_grpc:  # ray.init would wait on it for minutes
+        raise UserError(f"--address {address}: something listens there but it is not a Ray cluster (no gRPC "
+                        "answer); give the head node's GCS port (`ray status` on the head prints it, 6379 by "
+                        "default) or ray://HOST:10001")
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
+
+
+def _speaks_grpc(host: str, port: int) -> bool:
+    """Whether ``host:port`` answers like a gRPC server (Ray's GCS and Ray Client are both gRPC):
+    an HTTP/2 server's first frame is SETTINGS. Raises OSError when nothing accepts the connection."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return True  # the server waits for a TLS hello, not a preface: an open port is all we check
+    with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        header = b""
+        try:
+            sock.sendall(_H2_PREFACE)
+            while len(header) < 9:
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+        except OSError:  # silence until the timeout, or a reset: not gRPC
+            return False
+    return len(header) == 9 and header[3] == 0x04
 
 
 def _current_cluster() -> str | None:
