@@ -197,6 +197,68 @@ def load_weights(model: Any, folder: Path) -> None:
     raise FileNotFoundError(f"{folder} holds no model.safetensors")
 
 
+def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
+                     args: Mapping[str, Any]) -> Path:
+    """Write a whole checkpoint folder atomically: weights (safetensors), optimizer, scheduler and
+    RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them),
+    trainer_state.json and training_args.json."""
+    import torch
+
+    with atomic_dir(final) as tmp:
+        save_weights(model, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng_state.pth")
+        write_json(tmp / "trainer_state.json", state)
+        write_json(tmp / "training_args.json", args)
+    return final
+
+
+def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], Any]:
+    """Load a checkpoint written by `write_checkpoint` into the given objects (never with pickle).
+
+    Returns the trainer state (a dict) and the RNG state, which the caller restores when the
+    resumed run reaches the point the checkpoint was taken at (`set_rng_state`).
+    """
+    import torch
+
+    load_weights(model, folder)
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    return _read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch (and CUDA) RNG states as tensors and plain numbers."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                       "has_gauss": has_gauss, "cached": cached}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 # --- trial records -------------------------------------------------------------------------------
 
 @dataclass

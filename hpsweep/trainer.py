@@ -12,45 +12,33 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from . import runs
 from .arguments import TrainingArguments
-from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
-                        TrainerState)
+from .callbacks import (
+    CallbackHandler,
+    EvalPrediction,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from .data import batch_labels, batch_size, resolve_dataset
 from .errors import UserError
+from .optim import create_optimizer, create_scheduler
 
 
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict[str, float]
-
-
-_DATASETS: dict[int, Any] = {}
-
-
-def resolve_dataset(dataset: Any) -> Any:
-    """A dataset, or a 0-argument factory called once per process (lazy loading on workers)."""
-    if dataset is None or isinstance(dataset, Dataset) or not callable(dataset):
-        return dataset
-    # A factory unpickled afresh for every trial (Ray) is the same function: key it by name.
-    qualname = getattr(dataset, "__qualname__", "")
-    key: Any = (dataset.__module__, qualname) if qualname and "<" not in qualname else id(dataset)
-    if key not in _DATASETS:
-        loaded = dataset()
-        if loaded is None:
-            raise UserError(f"the dataset factory {getattr(dataset, '__name__', dataset)!r} returned None; "
-                            "return a torch Dataset")
-        _DATASETS[key] = (dataset, loaded)  # holding the factory keeps an id key unique
-    return _DATASETS[key][1]
 
 
 def model_init_arity(model_init: Callable[..., Any]) -> int:
@@ -147,37 +135,6 @@ class Trainer:
                           pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
                           generator=torch.Generator().manual_seed(self.args.seed) if shuffle else None)
 
-    def _optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        a = self.args
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-        groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if a.optim == "sgd":
-            return torch.optim.SGD(groups, lr=a.learning_rate, momentum=a.momentum)
-        cls = torch.optim.AdamW if a.optim == "adamw" else torch.optim.Adam
-        return cls(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
-
-    def _scheduler(self, optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
-        warmup = self.args.warmup_for(total)
-        kind = self.args.lr_scheduler_type
-
-        def factor(step: int) -> float:  # the same curves as transformers.get_scheduler
-            if kind != "constant" and step < warmup:
-                return step / max(1, warmup)
-            if kind in ("constant", "constant_with_warmup"):
-                return 1.0
-            progress = (step - warmup) / max(1, total - warmup)
-            if kind == "linear":
-                return max(0.0, 1.0 - progress)
-            if kind == "polynomial":
-                return max(0.0, 1.0 - progress) ** 1.0
-            cycles = 1 if kind == "cosine" else 2
-            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0 if cycles > 1 else progress))))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
     # --- training ----------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None) -> TrainOutput:
@@ -200,8 +157,8 @@ class Trainer:
         steps_per_epoch = max(1, math.ceil(len(train_dl) / args.gradient_accumulation_steps))
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         optimizer, scheduler = self.optimizers
-        optimizer = optimizer or self._optimizer(self.model)
-        scheduler = scheduler or self._scheduler(optimizer, max_steps)
+        optimizer = optimizer or create_optimizer(self.model, args)
+        scheduler = scheduler or create_scheduler(optimizer, args, max_steps)
         self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
             self.model, optimizer, train_dl, scheduler)
         model = self.model_wrapped
@@ -229,7 +186,7 @@ class Trainer:
                     loader = acc.skip_first_batches(train_dl, skip_steps * args.gradient_accumulation_steps)
                 batches = iter(loader)
                 if rng_state is not None:  # after the iterator drew its seed, as in the original run
-                    _set_rng_state(rng_state)
+                    runs.set_rng_state(rng_state)
                     rng_state = None
                 handler.fire("on_epoch_begin", args, state, control)
                 for micro_step, batch in enumerate(batches):
@@ -372,12 +329,12 @@ class Trainer:
         with torch.no_grad():
             for batch in dl:
                 loss, logits = self.compute_loss(model, batch, return_outputs=True)
-                size = _batch_size(batch)
+                size = batch_size(batch)
                 total_loss += float(loss) * size
                 count += size
                 if want_predictions and logits is not None:
                     logits_all.append(acc.gather_for_metrics(logits).float().cpu().numpy())
-                    labels = _labels(batch)
+                    labels = batch_labels(batch)
                     if labels is not None:
                         labels_all.append(acc.gather_for_metrics(labels).cpu().numpy())
         model.train(was_training)
@@ -419,13 +376,8 @@ class Trainer:
         """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best)."""
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
-        with runs.atomic_dir(final) as tmp:
-            runs.save_weights(self.accelerator.unwrap_model(self.model_wrapped), tmp)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(_rng_state(), tmp / "rng_state.pth")
-            runs.write_json(tmp / "trainer_state.json", self.state.to_dict())
-            runs.write_json(tmp / "training_args.json", self.args.to_dict())
+        runs.write_checkpoint(final, model=self.accelerator.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
+                              scheduler=self.lr_scheduler, state=self.state.to_dict(), args=self.args.to_dict())
         best = self.state.best_model_checkpoint
         runs.rotate_checkpoints(final.parent, self.args.save_total_limit, Path(best) if best else None)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
@@ -453,15 +405,14 @@ class Trainer:
 
     def _load_checkpoint(self, folder: Path) -> Any:
         """Restore weights, optimizer, scheduler, trainer and callback state; returns the RNG state."""
-        runs.load_weights(self.accelerator.unwrap_model(self.model_wrapped), folder)
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-        saved = TrainerState.from_dict(runs._read_json(folder / "trainer_state.json"))
+        state, rng_state = runs.read_checkpoint(folder, model=self.accelerator.unwrap_model(self.model_wrapped),
+                                                optimizer=self.optimizer, scheduler=self.lr_scheduler)
+        saved = TrainerState.from_dict(state)
         for name in ("global_step", "epoch", "num_evaluations", "log_history", "best_metric", "best_model_checkpoint",
                      "callbacks"):
             setattr(self.state, name, getattr(saved, name))
         self._handler.load_state_dicts(saved.callbacks)
-        return torch.load(folder / "rng_state.pth", weights_only=True)
+        return rng_state
 
     # --- search --------------------------------------------------------------------------------------
 
@@ -504,37 +455,3 @@ def _set_seed(seed: int) -> None:
     from accelerate.utils import set_seed
 
     set_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                       "has_gauss": has_gauss, "cached": cached}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _batch_size(batch: Any) -> int:
-    first = next(iter(batch.values())) if isinstance(batch, Mapping) else (
-        batch[0] if isinstance(batch, (list, tuple)) else batch)
-    return len(first) if hasattr(first, "__len__") else 1
-
-
-def _labels(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, Mapping):
-        return batch.get("labels", batch.get("label"))
-    if isinstance(batch, (list, tuple)) and len(batch) > 1:
-        return batch[-1]
-    return None
