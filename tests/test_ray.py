@@ -2,6 +2,7 @@
 ``hpsweep run --backend ray --address HOST:PORT``, then a look at what is on disk."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -60,9 +61,10 @@ def _stop_processes_under(marker: str) -> None:
             pass
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head node and a worker node, 1 CPU each, bound to 127.0.0.1, with token authentication."""
+@contextlib.contextmanager
+def _start_cluster(worker_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """A head node and a worker node, 1 CPU each, bound to 127.0.0.1, with token authentication;
+    ``worker_env`` is added to the worker node's environment (its Ray workers inherit it)."""
     temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
     port = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
@@ -72,12 +74,19 @@ def cluster() -> Iterator[Cluster]:
     try:
         subprocess.run([RAY, "start", "--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp,
                         *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common], env=env, check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common], env={**env, **(worker_env or {})},
+                       check=True, capture_output=True, timeout=120)
         yield Cluster(f"127.0.0.1:{port}", env)
     finally:
         _stop_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head node and a worker node that share this machine's disk (a shared --output-dir)."""
+    with _start_cluster() as c:
+        yield c
 
 
 def _ray_sweep(cluster: Cluster, space: Path, out: Path, *extra: str, timeout: float = 240):
@@ -178,6 +187,48 @@ def test_interrupted_sweep_continues_with_resume(cluster: Cluster, tmp_path: Pat
     assert [r.number for r in records] == [0, 1, 2], [(r.number, r.state) for r in records]
     assert all(r.state in ("complete", "pruned") for r in records), [(r.number, r.state) for r in records]
     assert runs.read_best(out) is not None
+
+
+def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_storage(tmp_path: Path) -> None:
+    """The worker node writes run folders to a node-local folder (as a node without the shared
+    --output-dir would); they reach the driver's --output-dir through Ray's storage."""
+    node_local = tmp_path / "node-local"
+    space = write_space(tmp_path, epochs=3)
+    out = tmp_path / "out"
+    with _start_cluster({"HPSWEEP_RAY_LOCAL_RUNS": str(node_local)}) as two_nodes:
+        proc = _ray_sweep(two_nodes, space, out, "--n-trials", "6", "--n-jobs", "2", "--sampler", "random",
+                          "--scheduler", "asha", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+
+    records = runs.read_trials(out)
+    assert [r.number for r in records] == list(range(6)), [(r.number, r.state) for r in records]
+    assert {r.state for r in records} <= {"complete", "pruned"} and any(r.state == "pruned" for r in records)
+    shipped = [r for r in records if "ray_shipped_from" in r.user_attrs]
+    direct = [r for r in records if "ray_shipped_from" not in r.user_attrs]
+    assert shipped and direct, "trials did not run on both nodes"
+    # Shipped trials ran on the worker node only, in its node-local folder, which they left empty.
+    assert len({r.user_attrs["ray_node_id"] for r in shipped}) == 1
+    assert not {r.user_attrs["ray_node_id"] for r in shipped} & {r.user_attrs["ray_node_id"] for r in direct}
+    for r in records:  # ... and came to --output-dir through the trial's folder in Ray's storage (here out/.ray)
+        in_storage = list((out / ".ray").glob(f"*/trial-{r.number}-{r.id}/hpsweep-run/trial.json"))
+        assert bool(in_storage) == (r in shipped), (r.number, in_storage)
+    for r in shipped:
+        assert Path(r.user_attrs["ray_shipped_from"]).is_relative_to(node_local)
+    assert node_local.is_dir() and not list(node_local.iterdir())
+    # In --output-dir every run is whole, as the trials written there directly, and its record points there.
+    files = {p.name for p in runs.latest_checkpoint(Path(direct[0].run_dir)).iterdir()}
+    for r in records:  # pruned ones too: ASHA stopped them inside tune.report
+        run = out / f"run-{r.id}"
+        assert r.run_dir == str(run) and {p.name for p in run.iterdir()} == \
+            {"trial.json", *(p.name for p in runs.checkpoints(run))}
+        assert len(runs.checkpoints(run)) == len(r.history) and (len(r.history) == 3) == (r.state == "complete")
+        assert all({p.name for p in c.iterdir()} == files for c in runs.checkpoints(run))
+    best = runs.read_best(out)
+    assert best is not None and best.objective == max(r.objective for r in records if r.state == "complete")
+    assert Path(best.run_dir).parent == out and Path(best.checkpoint).is_dir()
+    assert (out / "best" / "model.safetensors").exists() and (out / "best" / "README.md").exists()
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == \
+        {"best", "best_run.json"} | {f"run-{r.id}" for r in records}
 
 
 def test_unreachable_address_is_one_line_and_exit_2_within_seconds(tmp_path: Path) -> None:

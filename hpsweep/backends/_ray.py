@@ -6,20 +6,29 @@ when to stop (`--scheduler fifo|asha|hyperband|pbt`); each trial is one call of 
 metrics, ``objective`` and, when one was saved at that step, the checkpoint, so schedulers can
 stop, pause, resume and (PBT) clone trials.
 
-Tune keeps its experiment in ``<output-dir>/.ray/<study-name>`` (or under ``--storage``, any
-path or URI every node can reach); the run folders, ``best/`` and ``best_run.json`` are written
-to ``--output-dir`` as with Optuna, which on a cluster must be a folder every node mounts.
+Tune keeps its experiment in ``<output-dir>/.ray/<study-name>`` (or under ``--storage``), which
+on a cluster must be a path every node mounts or a cloud URI (``s3://``, ``gs://``). The run
+folders, ``best/`` and ``best_run.json`` end up in ``--output-dir`` as with Optuna: a trial on a
+node that sees ``--output-dir`` writes there directly; a trial on a node that does not writes a
+node-local run folder and ships it through Ray's storage, and the driver copies it into
+``--output-dir`` (and promotes it) when Tune's run ends.
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import json
 import logging
 import math
 import os
+import secrets
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +45,13 @@ METRIC = "objective"
 USER_ERROR_KEY = "hpsweep_user_error"
 EXPERIMENT_DIR = ".ray"
 CONNECT_TIMEOUT_S = 3.0
+# In --output-dir: a token per sweep run, by which a worker tells whether it sees the driver's folder.
+MARKER_FILE = ".hpsweep-ray-marker"
+# A trial's run folder, shipped from a node without --output-dir, in the trial's folder in Ray's storage.
+SHIPPED_RUN_DIR = "hpsweep-run"
+# On a worker: write run folders under this node-local folder even when --output-dir is visible
+# (a node without the shared mount, as tests simulate it).
+LOCAL_RUNS_ENV = "HPSWEEP_RAY_LOCAL_RUNS"
 # Set on the workers: with reuse_actors, how long reset_config() waits for a stopped trial to record itself.
 WORKER_ENV = {"TUNE_FUNCTION_THREAD_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "1"}
 
@@ -118,34 +134,133 @@ def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
 
 # --- what runs on the workers --------------------------------------------------------------------
 
-def train_trial(config: dict[str, Any], runner: TrialFunction, budget: int | None = None) -> None:
-    """The Tune function trainable: one trial of the sweep, on whichever node Tune placed it."""
+def train_trial(config: dict[str, Any], runner: TrialFunction, budget: int | None = None,
+                marker: str | None = None) -> None:
+    """The Tune function trainable: one trial of the sweep, on whichever node Tune placed it.
+
+    On a node that does not see the driver's ``--output-dir`` (its ``marker`` token is not there),
+    or where ``HPSWEEP_RAY_LOCAL_RUNS`` is set, the trial writes its run folder to a node-local
+    folder and ships it to the trial's folder in Ray's storage when it ends (see `_NodeLocalRuns`);
+    the driver copies it into ``--output-dir`` after the sweep.
+    """
     for key, value in WORKER_ENV.items():  # read by this actor's reset_config(), also when the user called ray.init
         os.environ.setdefault(key, value)
     ctx = tune.get_context()
     trial = RayTrial(_number(ctx.get_trial_name()), dict(config), id=ctx.get_trial_id(), budget=budget)
     node = ray.get_runtime_context().get_node_id()
+    local = _NodeLocalRuns.for_trial(runner, marker, ctx)
+    if local is not None:
+        runner = local.runner
     checkpoint = tune.get_checkpoint()  # set when Tune resumes, retries or (PBT) clones the trial
-    with checkpoint.as_directory() if checkpoint else contextlib.nullcontext(None) as folder:
-        if folder is not None:
-            trial.user_attrs["resume_from"] = folder
-        earlier = _load_record(runner, trial)
-        try:
-            runner(trial)
-        except TrialPruned:
-            pass
-        except UserError as exc:  # the whole sweep cannot go on: tell the driver, do not retry
-            if trial.detached:
-                raise  # Tune reads no more results from this trial; fail it instead
-            tune.report({USER_ERROR_KEY: str(exc)})
-        finally:
-            _note_ray_attrs(runner, trial, earlier, node, folder)
+    try:
+        with checkpoint.as_directory() if checkpoint else contextlib.nullcontext(None) as folder:
+            if folder is not None:
+                trial.user_attrs["resume_from"] = folder
+            earlier = _load_record(runner, trial)
+            try:
+                runner(trial)
+            except TrialPruned:
+                pass
+            except UserError as exc:  # the whole sweep cannot go on: tell the driver, do not retry
+                if trial.detached:
+                    raise  # Tune reads no more results from this trial; fail it instead
+                tune.report({USER_ERROR_KEY: str(exc)})
+            finally:
+                _note_ray_attrs(runner, trial, earlier, node, folder)
+    finally:
+        if local is not None:  # every ending: complete, pruned, failed, stopped by Tune or Ctrl-C
+            local.ship(_load_record(runner, trial))
     if trial.detached:
         # Tune stopped the trial inside tune.report and we caught that to record it. Returning now
         # would let Tune's function wrapper report once more ({"__duplicate__": True}) to a session
         # nobody reads: the thread would hang, reset_config() would time out, and with reuse_actors
         # the actor's next trial would fail ("Could not re-use actor"). Leave as Tune's stop expects.
         raise SystemExit(0)
+
+
+class _NodeLocalRuns:
+    """A trial's run folder on a node without ``--output-dir``, shipped through Ray's storage.
+
+    The trial trains into ``<HPSWEEP_RAY_LOCAL_RUNS or the temp dir>/hpsweep-<experiment>-<token>/<trial id>/``
+    (its own ``--output-dir`` there); when it ends, its run folder replaces
+    ``<trial folder in Ray's storage>/hpsweep-run/`` and the node-local copy is deleted. A trial that
+    starts again on such a node (a retry, a PBT exploit, ``--resume``) first gets that folder back.
+    """
+
+    def __init__(self, runner: Any, folder: Path, storage: Any) -> None:
+        job = runner.job
+        self.folder = folder
+        self.runner = copy.copy(runner)
+        self.runner.job = dataclasses.replace(job, args=job.args.replace(output_dir=str(folder)))
+        self.fs = storage.storage_filesystem
+        self.remote = f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
+
+    @classmethod
+    def for_trial(cls, runner: Any, marker: str | None, ctx: Any) -> _NodeLocalRuns | None:
+        job = getattr(runner, "job", None)
+        if job is None or marker is None:
+            return None
+        base = os.environ.get(LOCAL_RUNS_ENV)
+        if not base and _sees_marker(job.output_dir, marker):
+            return None  # --output-dir is shared with the driver: write there directly
+        experiment = runs.safe_name(ctx.get_experiment_name(), "sweep")
+        folder = Path(base or tempfile.gettempdir()).resolve() / f"hpsweep-{experiment}-{marker[:12]}" / ctx.get_trial_id()
+        local = cls(runner, folder, ctx.get_storage())
+        local._fetch()
+        return local
+
+    def _fetch(self) -> None:
+        """Bring back the run folder this trial shipped before, if it ran already."""
+        from ray.train._internal.storage import _download_from_fs_path
+
+        shutil.rmtree(self.folder, ignore_errors=True)  # a leftover of a worker that died mid-trial
+        record = _remote_record(self.fs, self.remote)
+        if record is not None:
+            record.run_dir = str(self.folder / runs.safe_name(Path(record.run_dir).name, f"run-{record.id}"))
+            _download_from_fs_path(self.fs, self.remote, record.run_dir, filelock=False)
+            record.save()  # with this node's path
+
+    def ship(self, record: runs.TrialRecord | None) -> None:
+        from ray.train._internal import storage as ray_storage
+
+        try:
+            if record is None or not Path(record.run_dir).is_dir():
+                return  # nothing was recorded (a UserError before training): nothing to ship
+            record.user_attrs["ray_shipped_from"] = record.run_dir
+            record.save()
+            if ray_storage._exists_at_fs_path(self.fs, self.remote):
+                ray_storage._delete_fs_path(self.fs, self.remote)  # drop checkpoints rotated away since the last trip
+            ray_storage._upload_to_fs_path(record.run_dir, self.fs, self.remote)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # the sweep's folder on this node, once its last trial ended
+
+
+def _sees_marker(output_dir: Path, token: str) -> bool:
+    try:
+        return json.loads((output_dir / MARKER_FILE).read_text()) == token
+    except (OSError, ValueError):
+        return False
+
+
+def _remote_record(fs: Any, remote: str) -> runs.TrialRecord | None:
+    """The trial.json a trial shipped to ``remote`` (a folder in Ray's storage), if any."""
+    try:
+        with fs.open_input_stream(f"{remote}/{runs.TRIAL_FILE}") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    known = {k: v for k, v in data.items() if k in runs.TrialRecord.__dataclass_fields__}
+    try:
+        return runs.TrialRecord(**known)
+    except TypeError:
+        return None
+
+
+def _freshness(record: runs.TrialRecord) -> tuple[float, bool, float]:
+    """Which of two records of one trial is newer: the later run, then an ended one."""
+    return record.started_at, record.state != "running", record.finished_at or 0.0
 
 
 def _number(trial_name: str) -> int:
@@ -281,7 +396,9 @@ class RayBackend(Backend):
         runner = trial_fn  # output_dir is absolute (sweep.search), so workers in other folders write there
         _pickle_space_modules_by_value()
         budget = self._evaluation_budget(runner)
-        trainable = tune.with_resources(tune.with_parameters(train_trial, runner=runner, budget=budget),
+        marker = secrets.token_hex(16)  # workers that read it here write to --output-dir directly
+        runs.write_json(s.output_dir / MARKER_FILE, marker)
+        trainable = tune.with_resources(tune.with_parameters(train_trial, runner=runner, budget=budget, marker=marker),
                                         self.resources)
         experiment = _join(self.storage_path, s.study_name)
         if s.resume and tune.Tuner.can_restore(experiment):
@@ -294,6 +411,7 @@ class RayBackend(Backend):
             tuner = self._new_tuner(trainable, budget)
         with _InterruptWatch() as watch:
             results = tuner.fit()
+        self._collect_shipped_runs(results)
         self._reconcile(results, interrupted=watch.seen)
 
     def _new_tuner(self, trainable: Any, budget: int | None) -> tune.Tuner:
@@ -339,8 +457,12 @@ class RayBackend(Backend):
                             sampler=optuna.samplers.TPESampler(seed=s.seed))
 
     def _scheduler(self, budget: int | None) -> Any:
-        from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandScheduler,
-                                         PopulationBasedTraining)
+        from ray.tune.schedulers import (
+            ASHAScheduler,
+            FIFOScheduler,
+            HyperBandScheduler,
+            PopulationBasedTraining,
+        )
 
         opts = self.settings.options
         eta = opts.get("reduction_factor", 3)
@@ -378,6 +500,34 @@ class RayBackend(Backend):
         return max(1, math.ceil(high))
 
     # --- after Tune -----------------------------------------------------------------------------------
+
+    def _collect_shipped_runs(self, results: Any) -> None:
+        """Copy the run folders that trials on nodes without ``--output-dir`` shipped through Ray's
+        storage into ``--output-dir`` (unless it holds a newer record of the trial), and promote them."""
+        from ray.train._internal.storage import _download_from_fs_path
+
+        out = self.settings.output_dir
+        for tune_trial in results._experiment_analysis.trials:
+            storage = tune_trial.storage
+            if storage is None or not storage.trial_dir_name:  # a trial that never started has no folder
+                continue
+            fs, remote = storage.storage_filesystem, f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
+            shipped = _remote_record(fs, remote)
+            if shipped is None:
+                continue
+            target = runs.run_dir_for(out, shipped.id, Path(shipped.run_dir).name)
+            here = runs.TrialRecord.load(target / runs.TRIAL_FILE)
+            if here is not None and here.id == shipped.id and _freshness(here) >= _freshness(shipped):
+                continue
+            with runs.atomic_dir(target) as tmp:
+                _download_from_fs_path(fs, remote, str(tmp), filelock=False)
+            record = runs.TrialRecord.load(target / runs.TRIAL_FILE)
+            if record is None:
+                continue
+            record.run_dir = str(target)
+            record.save()
+            if record.state == "complete" and record.objective is not None:
+                runs.promote_if_best(out, record)
 
     def _reconcile(self, results: Any, *, interrupted: bool) -> None:
         """Make trial.json agree with Tune where a trial could not say so itself, and surface user errors."""
