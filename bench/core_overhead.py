@@ -3,6 +3,8 @@
     python bench/core_overhead.py [--trials 10] [--epochs 20] [--repeats 3]
 
 - hand: a hand-written torch loop driven by raw Optuna (in-memory study), evaluating every epoch.
+- hand-sqlite: the same loop with an SQLite study and a trial.report every epoch (what a user
+  writes for a study that survives a crash and can prune: hpsweep's default guarantees).
 - hpsweep: ``hpsweep run`` with its defaults (SQLite study, a checkpoint every epoch, best/ kept).
 - hpsweep-nosave: the same with ``--set save_strategy=no`` (one final checkpoint per trial).
 - hf: Hugging Face ``Trainer.hyperparameter_search`` (optuna backend, in-memory study).
@@ -74,6 +76,14 @@ def objective(trial):
 optuna.create_study(direction="maximize").optimize(objective, n_trials=TRIALS)
 '''
 
+# The same loop with what a careful user adds for a study that survives a crash and can prune:
+# an SQLite study and a report of every epoch's accuracy.
+HAND_SQLITE = HAND.replace("        acc = correct / len(val)\n",
+                           "        acc = correct / len(val)\n        trial.report(acc, epoch + 1)\n").replace(
+    'optuna.create_study(direction="maximize")',
+    'import os\nos.makedirs(OUT, exist_ok=True)\n'
+    'optuna.create_study(direction="maximize", storage=f"sqlite:///{OUT}/study.db", study_name="hand")')
+
 SPACE = COMMON + '''
 import hpsweep
 train_dataset = lambda: load("train")
@@ -120,6 +130,8 @@ def run_variant(name: str, work: Path, trials: int, epochs: int) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if name == "hand":
         cmd = [sys.executable, "-c", header + HAND]
+    elif name == "hand-sqlite":
+        cmd = [sys.executable, "-c", header + HAND_SQLITE]
     elif name == "hf":
         cmd = [sys.executable, "-c", header + HF]
     else:
@@ -141,7 +153,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=20)  # ~0.5 s trials for the hand loop here
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="hand,hpsweep,hpsweep-nosave,hf")
+    parser.add_argument("--variants", default="hand,hand-sqlite,hpsweep,hpsweep-nosave,hf")
     ns = parser.parse_args()
     variants = ns.variants.split(",")
     times: dict[str, list[float]] = {v: [] for v in variants}
