@@ -182,8 +182,9 @@ class Trainer:
                 if hasattr(train_dl, "set_epoch"):
                     train_dl.set_epoch(epoch)
                 loader = train_dl
-                if epoch == epochs_done and skip_steps:
-                    loader = acc.skip_first_batches(train_dl, skip_steps * args.gradient_accumulation_steps)
+                skipped = skip_steps * args.gradient_accumulation_steps if epoch == epochs_done else 0
+                if skipped:  # resuming mid-epoch: the same order, without its first batches
+                    loader = acc.skip_first_batches(train_dl, skipped)
                 batches = iter(loader)
                 if rng_state is not None:  # after the iterator drew its seed, as in the original run
                     runs.set_rng_state(rng_state)
@@ -213,8 +214,7 @@ class Trainer:
                         handler.fire("on_substep_end", args, state, control)
                         continue
                     state.global_step += 1
-                    state.epoch = epoch + (micro_step + 1 + skip_steps * args.gradient_accumulation_steps
-                                           * (epoch == epochs_done)) / len(train_dl)
+                    state.epoch = epoch + (skipped + micro_step + 1) / len(train_dl)
                     handler.fire("on_step_end", args, state, control)
                     self._flow_on_step(control)
                     running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
