@@ -90,7 +90,7 @@ class TrialRunner:
 
         job = self.job
         if job.hp_space is not None:
-            trial.params.update(_check_hp_space_result(job.hp_space(trial)))
+            trial.params.update(_call_hp_space(job.hp_space, trial))
         run_dir = runs.run_dir_for(job.output_dir, trial.id, job.hp_name(trial) if job.hp_name else None)
         fresh = not run_dir.exists()
         record = runs.TrialRecord(id=trial.id, number=trial.number, backend=self.backend, params=dict(trial.params),
@@ -169,7 +169,14 @@ def _final_checkpoint(trainer: Any) -> Path:
     return trainer.save_checkpoint()
 
 
-def _check_hp_space_result(params: Any) -> dict[str, Any]:
+def _call_hp_space(hp_space: Callable[[Trial], Any], trial: Trial) -> dict[str, Any]:
+    """The user's define-by-run space; it fails the same way for every trial, so it is a user error."""
+    try:
+        params = hp_space(trial)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"hp_space(trial) raised {type(exc).__name__}: {exc}; fix hp_space in the space file") from None
     if not isinstance(params, Mapping):
         raise UserError(f"hp_space(trial) returned {type(params).__name__}; return a dict of name -> value")
     return dict(params)

@@ -42,6 +42,10 @@ CASES = {
                                      ["'eval_acuracy' is not among", "did you mean 'eval_accuracy'"]),
     "a bad direction": (dict(direction="maximise"), ["'maximise'", "'minimize' or 'maximize'"]),
     "a bad value in args": (dict(extra_args=', lr_scheduler_type="cosin"'), ["cosin", "did you mean 'cosine'"]),
+    "hp_space that raises": (dict(space="None", extra="""
+        def hp_space(trial):
+            return {"learning_rate": trial.suggest_float("learning_rate", 0.1, 0.01)}
+        """), ["hp_space(trial) raised ValueError", "fix hp_space"]),
     "an error inside the space file": (dict(extra="raise ValueError('no data here')"),
                                        ["raised ValueError: no data here"]),
 }
