@@ -107,12 +107,11 @@ class TrialRunner:
                               compute_metrics=job.compute_metrics, callbacks=[*job.callbacks, *extra, reporter])
             trainer.train(resume_from_checkpoint=trial.user_attrs.get("resume_from"), trial=trial)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
-            record.history = _eval_history(trainer)
             if reporter.pruned:
+                record.history = _eval_history(trainer)
                 record.finish("pruned")
                 raise TrialPruned(f"trial {trial.number} pruned at evaluation {trainer.state.num_evaluations}")
-            metrics = _final_metrics(trainer)
-            record.metrics = metrics
+            metrics = record.metrics = _final_metrics(trainer)  # may evaluate once more
             record.history = _eval_history(trainer)
             record.checkpoint = _final_checkpoint(trainer).name
             record.finish("complete", objective=job.objective_value(metrics))
@@ -130,8 +129,8 @@ class TrialRunner:
             record.finish("stopped")
             raise
         finally:
-            for sc in job.sweep_callbacks:
-                if record.state != "running":
+            if record.state != "running":  # a user error before the trial ran ends the sweep instead
+                for sc in job.sweep_callbacks:
                     sc.on_trial_end(record)
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
