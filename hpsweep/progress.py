@@ -98,7 +98,7 @@ class SweepProgress:
 
     def _read(self) -> list[runs.TrialRecord]:
         out = []
-        for path in runs._trial_files(self.output_dir):
+        for path in runs.trial_files(self.output_dir):
             try:
                 mtime = os.stat(path).st_mtime
             except OSError:

@@ -54,25 +54,37 @@ def run_dir_for(output_dir: Path, trial_id: str, name: str | None = None) -> Pat
     path = output_dir / folder
     record = path / TRIAL_FILE
     if name is not None and record.exists():
-        if str(_read_json(record).get("id")) != str(trial_id):
+        if str(read_json(record).get("id")) != str(trial_id):
             path = output_dir / safe_name(f"{folder}-{trial_id}", default)
     return path
 
 
 # --- atomic writes -------------------------------------------------------------------------------
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` atomically (temporary file in the same folder, then rename)."""
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, then rename),
+    with the permissions a plain ``open()`` would give, not mkstemp's owner-only 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=_json_default)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` atomically (see `write_text`)."""
+    write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(value: Any) -> Any:
@@ -83,7 +95,7 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path) as f:
             return json.load(f)
@@ -190,7 +202,7 @@ def load_weights(model: Any, folder: Path) -> None:
         from safetensors.torch import load_file
 
         state: dict[str, Any] = {}
-        for shard in sorted(set(_read_json(index)["weight_map"].values())):
+        for shard in sorted(set(read_json(index)["weight_map"].values())):
             state.update(load_file(str(folder / shard)))
         model.load_state_dict(state, strict=False)
         return
@@ -225,7 +237,7 @@ def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any)
     load_weights(model, folder)
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    return _read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
+    return read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -296,7 +308,7 @@ class TrialRecord:
 
     @classmethod
     def load(cls, path: Path) -> TrialRecord | None:
-        data = _read_json(path)
+        data = read_json(path)
         if not data:
             return None
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
@@ -308,11 +320,11 @@ class TrialRecord:
 
 def read_trials(output_dir: Path) -> list[TrialRecord]:
     """Every trial under ``output_dir``, by number (unreadable records are skipped)."""
-    records = [r for r in (TrialRecord.load(p) for p in _trial_files(output_dir)) if r is not None]
+    records = [r for r in (TrialRecord.load(p) for p in trial_files(output_dir)) if r is not None]
     return sorted(records, key=lambda r: (r.number, r.id))
 
 
-def _trial_files(output_dir: Path) -> Iterator[Path]:
+def trial_files(output_dir: Path) -> Iterator[Path]:
     if output_dir.is_dir():
         for entry in os.scandir(output_dir):
             if entry.is_dir() and not entry.name.startswith("."):
@@ -378,7 +390,7 @@ def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
     from filelock import FileLock
 
     with FileLock(str(output_dir / ".best.lock")):
-        current = _read_json(output_dir / BEST_FILE)
+        current = read_json(output_dir / BEST_FILE)
         if len(record.directions) > 1:
             front = best_records(read_trials(output_dir), record.directions)
             write_json(output_dir / BEST_FILE, [BestRun.from_record(r).to_dict() for r in front])
@@ -405,7 +417,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def read_best(output_dir: Path) -> BestRun | list[BestRun] | None:
-    data = _read_json(output_dir / BEST_FILE) if (output_dir / BEST_FILE).exists() else None
+    data = read_json(output_dir / BEST_FILE) if (output_dir / BEST_FILE).exists() else None
     if not data:
         return None
     if isinstance(data, list):

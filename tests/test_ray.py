@@ -127,7 +127,7 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
     assert {p.name for p in ray_run.iterdir()} == {p.name for p in optuna_run.iterdir()}
     assert {p.name for p in runs.latest_checkpoint(ray_run).iterdir()} == \
         {p.name for p in runs.latest_checkpoint(optuna_run).iterdir()}
-    assert set(runs._read_json(ray_run / "trial.json")) == set(runs._read_json(optuna_run / "trial.json"))
+    assert set(runs.read_json(ray_run / "trial.json")) == set(runs.read_json(optuna_run / "trial.json"))
 
 
 def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,8 +45,12 @@ def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space
     assert weights["net.0.weight"].shape[0] == top.params["hidden"]
     assert "Best run" in (out / "best" / "README.md").read_text()
     assert (out / "study.db").exists()
-    # nothing temporary left behind
+    # nothing temporary left behind, and records are as readable as any file the user writes
     assert not list(out.rglob(".*tmp*"))
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (out / "best_run.json", Path(top.run_dir) / "trial.json"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_params_reach_the_training_arguments(tmp_path: Path) -> None:

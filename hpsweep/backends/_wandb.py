@@ -171,7 +171,7 @@ class WandbBackend(Backend):
     def _load_sweep_file(self) -> dict[str, Any]:
         """The sweep this folder already holds; a different one is an error rather than a mix-up."""
         path = self.settings.output_dir / SWEEP_FILE
-        saved = runs._read_json(path) if path.exists() else {}
+        saved = runs.read_json(path) if path.exists() else {}
         if saved and saved.get("config") != self.config:
             raise UserError(f"{self.settings.output_dir} holds another W&B sweep (see {SWEEP_FILE}: other space, "
                             "sampler, pruner or objective); use another --output-dir or the same settings")
@@ -276,7 +276,7 @@ class WandbBackend(Backend):
         if sweep_id is None:
             sweep_id = wandb.sweep(self.config, project=s.study_name, entity=entity)
             path = s.output_dir / SWEEP_FILE
-            runs.write_json(path, {**runs._read_json(path), "sweep_id": sweep_id})
+            runs.write_json(path, {**runs.read_json(path), "sweep_id": sweep_id})
         errors: list[BaseException] = []
         interrupted = threading.Event()
 
@@ -344,7 +344,7 @@ def _checkpoint_history(checkpoint: Path | None, metric: str) -> list[dict[str, 
     """The objective per evaluation up to ``checkpoint``, so hyperband sees a resumed trial whole."""
     if checkpoint is None:
         return []
-    state = runs._read_json(checkpoint / "trainer_state.json")
+    state = runs.read_json(checkpoint / "trainer_state.json")
     return [{metric: h[metric]} for h in state.get("log_history", []) if metric in h]
 
 

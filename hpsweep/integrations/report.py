@@ -14,8 +14,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,14 +34,7 @@ def write_report(output_dir: Path, path: Path | None = None) -> Path:
     best = runs.read_best(output_dir)
     page = render(output_dir, records, best)
     path = path or output_dir / REPORT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(page)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the page from a web server
-    os.replace(tmp, path)
+    runs.write_text(path, page)
     return path
 
 
