@@ -78,11 +78,11 @@ def _resources(text: str) -> dict[str, float]:
     for part in filter(None, text.split(",")):
         key, sep, value = part.partition("=")
         try:
-            out[key.strip()] = float(value)
+            if not sep or not key.strip():
+                raise ValueError
+            out[key.strip()] = float(value)  # cpu, gpu, or a custom Ray resource
         except ValueError:
             raise argparse.ArgumentTypeError(f"{part!r} is not name=number, e.g. cpu=1,gpu=0.5") from None
-        if not sep or key.strip() not in ("cpu", "gpu") and not key.strip():
-            raise argparse.ArgumentTypeError(f"{part!r} is not name=number")
     return out
 
 
