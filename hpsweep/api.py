@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
 from .spacefile import load_space_file
 
 
@@ -24,6 +25,8 @@ def run(space_file: str | Path, *, backend: str = "optuna", n_trials: int | None
     sf = load_space_file(space_file)
     args: TrainingArguments = sf.args
     if config is not None:
+        if Path(config).is_dir():
+            raise UserError(f"--config {config} is a folder; give a YAML or JSON file of TrainingArguments")
         args = TrainingArguments.from_file(config, base=args)
     if set_args:
         args = args.with_overrides(list(set_args))

@@ -34,11 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--study-name", help="study name (default: the space file's name)")
     run.add_argument("--storage", help="optuna: a storage URL (default sqlite:///OUTPUT_DIR/study.db); "
                                           "ray: where Tune keeps its experiment (a path or s3://...)")
-    run.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Ray restores its experiment)")
+    run.add_argument("--resume", action="store_true",
+                     help="accepted for compatibility: the same command always continues its sweep")
     run.add_argument("--sampler", help="optuna: tpe, random, cmaes, gp, grid, nsga2; wandb: random, grid, bayes")
     run.add_argument("--pruner", help="optuna: median, hyperband, sha, none; wandb: hyperband, none")
     run.add_argument("--scheduler", help="ray: fifo, asha, hyperband, pbt")
     run.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
+    run.add_argument("--max-failed-trials", type=int, default=5,
+                     help="end the sweep after this many failed trials in one run (default 5)")
     run.add_argument("--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)")
     run.add_argument("--resources-per-trial", type=_resources, help="ray: e.g. cpu=1,gpu=0.5")
     run.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
@@ -93,6 +96,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         "timeout": ns.timeout, "storage": ns.storage, "sampler": ns.sampler, "pruner": ns.pruner,
         "scheduler": ns.scheduler, "address": ns.address, "resources_per_trial": ns.resources_per_trial,
         "seed": ns.seed}.items() if v is not None}
+    options["max_failed_trials"] = ns.max_failed_trials
     options["sweep_callbacks"] = _sweep_callbacks(ns)
     best = run(ns.space_file, backend=ns.backend, n_trials=ns.n_trials, output_dir=ns.output_dir,
                config=ns.config, set_args=ns.set_args, study_name=ns.study_name, resume=ns.resume,
@@ -176,10 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"hpsweep: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("hpsweep: interrupted; finished trials are saved and running ones recorded as stopped "
               "(run the same command again to continue)", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", 2)
 
 
 def _version() -> str:

@@ -13,6 +13,7 @@ leaves either the old version or the new one, never half of one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,6 +30,9 @@ TRIAL_FILE = "trial.json"
 BEST_DIR = "best"
 BEST_FILE = "best_run.json"
 STATES = ("running", "complete", "pruned", "failed", "stopped")
+MAX_NAME = 100
+#: Names hpsweep itself uses at the top of a sweep folder; a run named so would clobber them.
+RESERVED = {BEST_DIR, BEST_FILE, "report.html", "wandb_sweep.json", "wandb", "mlruns", "mlflow.db"}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -38,10 +42,17 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 def safe_name(name: str, fallback: str) -> str:
     """``name`` as one safe folder name: no separators, no leading dots, at most 100 characters.
 
-    ``../../etc`` becomes ``etc``; a name with nothing safe left becomes ``fallback``.
+    ``../../etc`` becomes ``etc``; a name with nothing safe left becomes ``fallback``; a longer
+    name keeps a hash of the whole, so two long names that differ only at the end stay two
+    folders; a name hpsweep uses itself in the sweep folder (``best``, ``study.db``) gets ``run-``.
     """
-    cleaned = _UNSAFE.sub("-", str(name)).strip("-.")[:100].strip("-.")
-    return cleaned if cleaned and cleaned not in (BEST_DIR,) else fallback
+    cleaned = _UNSAFE.sub("-", str(name)).strip("-.")
+    if len(cleaned) > MAX_NAME:
+        digest = hashlib.sha1(cleaned.encode()).hexdigest()[:10]
+        cleaned = f"{cleaned[:MAX_NAME - 11].strip('-.')}-{digest}"
+    if not cleaned:
+        return fallback
+    return f"run-{cleaned}" if cleaned.lower() in RESERVED or cleaned.lower().startswith("study.db") else cleaned
 
 
 def run_dir_for(output_dir: Path, trial_id: str, name: str | None = None) -> Path:
@@ -52,9 +63,9 @@ def run_dir_for(output_dir: Path, trial_id: str, name: str | None = None) -> Pat
     default = safe_name(f"run-{trial_id}", "run")
     folder = safe_name(name, default) if name is not None else default
     path = output_dir / folder
-    record = path / TRIAL_FILE
-    if name is not None and record.exists():
-        if str(read_json(record).get("id")) != str(trial_id):
+    if name is not None and path.exists():
+        owner = read_json(path / TRIAL_FILE).get("id")
+        if owner is None or str(owner) != str(trial_id):
             path = output_dir / safe_name(f"{folder}-{trial_id}", default)
     return path
 
@@ -124,7 +135,22 @@ class _AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        _as_open_would_make(self.tmp)
         _swap_into_place(self.tmp, self.final)
+
+
+def _as_open_would_make(folder: Path) -> None:
+    """Give ``folder`` and what is in it the modes ``mkdir``/``open`` would (mkdtemp makes 0700,
+    some writers 0600), so other users of a shared sweep folder can read checkpoints and best/."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _swap_into_place(tmp: Path, final: Path) -> None:
@@ -294,6 +320,10 @@ class TrialRecord:
     duration_s: float | None = None
     run_dir: str = ""
     user_attrs: dict[str, Any] = field(default_factory=dict)
+    #: The checkpoint this run of the trial started from, when an earlier run of it was cut short.
+    resumed_from: str | None = None
+    #: How many times the trial was started (1, plus one per run again after an interruption).
+    attempts: int = 1
 
     def save(self) -> None:
         write_json(Path(self.run_dir) / TRIAL_FILE, asdict(self))

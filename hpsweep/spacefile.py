@@ -53,6 +53,10 @@ def load_space_file(path: str | Path) -> SpaceFile:
     except UserError as exc:
         sys.modules.pop(module_name, None)
         raise UserError(f"{path}: {exc}") from None
+    except (SystemExit, KeyboardInterrupt) as exc:  # sys.exit() or an input() prompt in the file
+        sys.modules.pop(module_name, None)
+        raise UserError(f"{path}: importing the space file raised {type(exc).__name__}; a space file only "
+                        "defines names (move the script's run code under `if __name__ == '__main__':`)") from None
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
         raise UserError(f"{path}:{exc.lineno}: syntax error: {exc.msg}; fix the space file") from None

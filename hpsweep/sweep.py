@@ -3,6 +3,7 @@ the chosen backend. The runner trains one trial, records it in ``run-<id>/trial.
 promotes it to ``best/`` when it beats the best so far. Backends only decide what to try."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -54,6 +55,10 @@ class SweepJob:
     hp_name: Callable[[Trial], str] | None = None
     sweep_callbacks: list[SweepCallback] = field(default_factory=list)
     model_takes_trial: bool = True
+    #: The class that trains each trial (the user's `Trainer` subclass, if any) and the extra
+    #: keyword arguments it was given.
+    trainer_cls: Any = None
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def output_dir(self) -> Path:
@@ -79,33 +84,56 @@ class SweepJob:
 
 
 class TrialRunner:
-    """Trains one trial from a `SweepJob`. This is the function every backend calls."""
+    """Trains one trial from a `SweepJob`: what the search loop (or a Ray worker) calls per trial.
+
+    A trial the ledger hands out again (``trial.user_attrs["again"]``, its old record) keeps its
+    folder and resumes from its latest checkpoint, recorded as ``resumed_from``.
+    """
 
     def __init__(self, job: SweepJob, backend: str) -> None:
         self.job = job
         self.backend = backend
 
     def __call__(self, trial: Trial) -> float | list[float]:
-        from .trainer import Trainer
-
         job = self.job
+        again: runs.TrialRecord | None = trial.user_attrs.pop("again", None)
         if job.hp_space is not None:
             trial.params.update(_call_hp_space(job.hp_space, trial))
-        run_dir = runs.run_dir_for(job.output_dir, trial.id, job.hp_name(trial) if job.hp_name else None)
+        # Before naming the folder: model_init(trial) may suggest the params hp_name reads.
+        built: _Prebuilt | BaseException
+        try:
+            built = _Prebuilt.build(job.model_init, trial, job.args.seed)
+        except (UserError, ImportError):
+            raise
+        except Exception as exc:  # the trial fails (recorded below, in its default folder)
+            built = exc
+        if again is not None:
+            run_dir = Path(again.run_dir)
+            latest = runs.latest_checkpoint(run_dir)
+            resume_from = str(latest) if latest is not None else None
+        else:
+            name = _call_hp_name(job.hp_name, trial) if job.hp_name and isinstance(built, _Prebuilt) else None
+            run_dir = runs.run_dir_for(job.output_dir, trial.id, name)
+            resume_from = trial.user_attrs.get("resume_from")  # a backend's own checkpoint (Ray)
         fresh = not run_dir.exists()
         record = runs.TrialRecord(id=trial.id, number=trial.number, backend=self.backend, params=dict(trial.params),
                                   objective_name=job.objective_name, directions=list(job.directions),
-                                  run_dir=str(run_dir),
-                                  user_attrs={**trial.user_attrs, "pid": os.getpid(), "host": socket.gethostname()})
+                                  run_dir=str(run_dir), resumed_from=resume_from,
+                                  attempts=again.attempts + 1 if again is not None else 1,
+                                  user_attrs={**_plain_attrs(trial.user_attrs), "pid": os.getpid(),
+                                              "host": socket.gethostname()})
         try:
             args = _trial_args(job, trial.params, run_dir)
             record.save()
+            if not isinstance(built, _Prebuilt):
+                raise built
             reporter = TrialReporter(trial, job.objective_value)
             extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
-            trainer = Trainer(model_init=job.model_init, args=args, train_dataset=job.train_dataset,
-                              eval_dataset=job.eval_dataset, data_collator=job.data_collator,
-                              compute_metrics=job.compute_metrics, callbacks=[*job.callbacks, *extra, reporter])
-            trainer.train(resume_from_checkpoint=trial.user_attrs.get("resume_from"), trial=trial)
+            trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
+                                      eval_dataset=job.eval_dataset, data_collator=job.data_collator,
+                                      compute_metrics=job.compute_metrics,
+                                      callbacks=[*job.callbacks, *extra, reporter], **job.trainer_kwargs)
+            trainer.train(resume_from_checkpoint=resume_from, trial=trial)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
             if reporter.pruned:
                 record.history = _eval_history(trainer)
@@ -117,16 +145,23 @@ class TrialRunner:
             record.finish("complete", objective=job.objective_value(metrics))
         except (TrialPruned, TrialFailed):
             raise
-        except UserError:
+        except (UserError, ImportError) as exc:  # no params can fix these: the sweep stops, nothing is recorded
             if fresh:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(exc, ImportError):
+                raise UserError(f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing "
+                                "and run the same command again") from None
             raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk fails every trial: stop, resumable
+                _finish_quietly(record, "stopped", "the disk is full")
+                raise UserError(f"no space left on the disk of {job.output_dir} while trial {trial.number} "
+                                "ran; free some space and run the same command again") from None
+            self._fail(record, run_dir, trial, exc)
         except Exception as exc:
-            record.finish("failed", error=f"{type(exc).__name__}: {exc}")
-            (run_dir / "error.log").write_text(traceback.format_exc())
-            raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
-        except BaseException:  # Ctrl-C, or a scheduler stopping the worker
-            record.finish("stopped")
+            self._fail(record, run_dir, trial, exc)
+        except BaseException:  # Ctrl-C, SIGTERM, or a scheduler stopping the worker
+            _finish_quietly(record, "stopped", None)
             raise
         finally:
             if record.state != "running":  # a user error before the trial ran ends the sweep instead
@@ -134,6 +169,54 @@ class TrialRunner:
                     sc.on_trial_end(record)
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
+
+    @staticmethod
+    def _fail(record: runs.TrialRecord, run_dir: Path, trial: Trial, exc: BaseException) -> None:
+        record.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        (run_dir / "error.log").write_text(traceback.format_exc())
+        raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _finish_quietly(record: runs.TrialRecord, state: str, error: str | None) -> None:
+    """Record how a trial ended, if the disk lets us; if not, the ledger's next reap does it."""
+    try:
+        record.finish(state, error=error)
+    except OSError:
+        record.state = state
+
+
+class _Prebuilt:
+    """``model_init`` for a trial whose model was built already: hands it over once, with the
+    random state that building it left, so training is the same as if the trainer built it."""
+
+    def __init__(self, model: Any, rng: Any) -> None:
+        self.model, self.rng = model, rng
+
+    @classmethod
+    def build(cls, model_init: Callable[..., Any], trial: Trial, seed: int) -> _Prebuilt:
+        from .modelinit import call_model_init, set_seed
+
+        set_seed(seed)
+        model = call_model_init(model_init, trial)
+        return cls(model, runs.rng_state())
+
+    def __call__(self, trial: Any = None) -> Any:
+        runs.set_rng_state(self.rng)
+        return self.model
+
+
+def _call_hp_name(hp_name: Callable[[Trial], str], trial: Trial) -> str:
+    try:
+        name = hp_name(trial)
+    except Exception as exc:
+        raise UserError(f"hp_name(trial) raised {type(exc).__name__}: {exc}; fix hp_name in the space file") from None
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"hp_name(trial) returned {name!r}; return a non-empty string naming the run folder")
+    return name
+
+
+def _plain_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in attrs.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
 def _trial_args(job: SweepJob, params: Mapping[str, Any], run_dir: Path) -> TrainingArguments:
@@ -214,13 +297,19 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
            study_name: str = "hpsweep", storage: str | None = None, resume: bool = False,
            sampler: str | None = None, pruner: str | None = None, scheduler: str | None = None,
            seed: int | None = None, address: str | None = None,
-           resources_per_trial: Mapping[str, float] | None = None,
-           sweep_callbacks: Sequence[SweepCallback] = (), show_progress: bool = True,
-           **options: Any) -> Any:
-    """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`."""
-    from .trainer import model_init_arity
+           resources_per_trial: Mapping[str, float] | None = None, max_failed_trials: int = 5,
+           processes_per_trial: int = 1, sweep_callbacks: Sequence[SweepCallback] = (),
+           show_progress: bool = True, **options: Any) -> Any:
+    """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`.
+
+    ``resume`` is accepted for compatibility: the same command always continues its sweep.
+    """
+    from .loop import TrialLoop
+    from .modelinit import model_init_arity
 
     directions = normalise_directions(direction)
+    check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
+                 processes_per_trial=processes_per_trial)
     if (space is None) == (hp_space is None):
         raise UserError("give exactly one of space={...} or hp_space=function")
     takes_trial = model_init_arity(trainer.model_init) == 1
@@ -237,8 +326,10 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         raise UserError("a search evaluates every trial: give an eval_dataset")
 
     # Absolute, so trials that run in another working directory (Ray workers) write here too.
-    output_dir = Path(trainer.args.output_dir).resolve()
+    output_dir = check_output_dir(Path(trainer.args.output_dir))
     args = trainer.args.replace(output_dir=str(output_dir))
+    given = {name for name, value in (("storage", storage), ("address", address),
+                                       ("resources_per_trial", resources_per_trial)) if value is not None}
     settings = SearchSettings(output_dir=output_dir, space=dict(space) if space else None, hp_space=hp_space,
                               directions=directions,
                               objective_name=objective if isinstance(objective, str) else "objective",
@@ -246,16 +337,21 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               storage=storage, resume=resume, sampler=sampler, pruner=pruner, scheduler=scheduler,
                               seed=seed, address=address,
                               resources_per_trial=dict(resources_per_trial or {"cpu": 1.0, "gpu": 0.0}),
-                              options=options, backend=backend)
+                              options=options, backend=backend, max_failed_trials=max_failed_trials,
+                              processes_per_trial=processes_per_trial, given=frozenset(given))
     chosen = get_backend(backend, settings)
     job = SweepJob(model_init=trainer.model_init, args=args, train_dataset=trainer.train_dataset,
                    eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
                    callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,
-                   sweep_callbacks=list(sweep_callbacks), model_takes_trial=takes_trial)
+                   sweep_callbacks=list(sweep_callbacks), model_takes_trial=takes_trial,
+                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer))
 
     existed = output_dir.exists() and any(output_dir.iterdir())
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output-dir {output_dir}: cannot create it ({exc.strerror}); give a writable folder") from None
     runs.recover_interrupted_swaps(output_dir)
     progress = None
     if show_progress:
@@ -264,12 +360,14 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         progress = SweepProgress(output_dir, n_trials=n_trials, timeout=timeout, directions=directions,
                                  objective_name=job.objective_name)
     finished = False
+    records: list[runs.TrialRecord] = []
+    best = None
     try:
         for sc in job.sweep_callbacks:
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
-        chosen.run(TrialRunner(job, backend))
+        chosen.run(TrialLoop(TrialRunner(job, backend), settings))
         finished = True
     except UserError:
         if not existed:
@@ -288,3 +386,37 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         raise UserError(f"no trial completed ({len(records)} trials: {', '.join(states) or 'none ran'}); "
                         f"see the trial.json and error.log files in {output_dir}")
     return best
+
+
+def trial_trainer_kwargs(trainer: Any) -> dict[str, Any]:
+    """The keyword arguments, beyond the ones every trial sets, that rebuild ``trainer`` for a trial."""
+    return dict(getattr(trainer, "trial_kwargs", {}) or {})
+
+
+def check_counts(**counts: Any) -> None:
+    """Counts and limits a user gives: positive, finite numbers (``--timeout nan`` is refused)."""
+    import math
+
+    for name, value in counts.items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        least = 0 if name == "timeout" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                (value <= 0 if name == "timeout" else value < least):
+            what = "a positive number of seconds" if name == "timeout" else f"a whole number of at least {least}"
+            raise UserError(f"{flag} {value}: give {what}")
+
+
+def check_output_dir(path: Path) -> Path:
+    """``--output-dir`` as an absolute folder this process can write in, or one `UserError` line."""
+    path = path.resolve()
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == path else f"is under the file {parent}"
+                raise UserError(f"--output-dir {path} {where}; give a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UserError(f"--output-dir {path}: {parent} is not writable; give a folder you can write in")
+            break
+    return path

@@ -10,7 +10,6 @@ precision are configuration (``args.mixed_precision``, ``args.use_cpu``), not br
 """
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +31,8 @@ from .callbacks import (
 )
 from .data import batch_labels, batch_size, resolve_dataset
 from .errors import UserError
+from .modelinit import call_model_init, model_init_arity
+from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
 
 
@@ -39,19 +40,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict[str, float]
-
-
-def model_init_arity(model_init: Callable[..., Any]) -> int:
-    """0 or 1: how many arguments ``model_init`` takes (a `UserError` for anything else)."""
-    if not callable(model_init):
-        raise UserError(f"model_init is {model_init!r}; define a function returning a fresh torch.nn.Module")
-    signature = inspect.signature(model_init).parameters
-    required = [p for p in signature.values()
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(required) > 1:
-        raise UserError(f"model_init takes {len(required)} arguments; it takes none, or one: the trial")
-    # `def model_init(trial=None)` (HF style) takes the trial; `MyNet(hidden=16)` does not.
-    return 1 if required or "trial" in signature else 0
 
 
 class Trainer:
@@ -104,11 +92,7 @@ class Trainer:
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         assert self.model_init is not None
-        model = self.model_init(trial) if model_init_arity(self.model_init) == 1 else self.model_init()
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(f"model_init returned {type(model).__name__ if model is not None else 'None'}; "
-                            "it must return a fresh torch.nn.Module (did you forget `return model`?)")
-        return model
+        return call_model_init(self.model_init, trial)
 
     def _make_accelerator(self) -> Any:
         from accelerate import Accelerator
@@ -449,9 +433,3 @@ def _cache_accelerate_package_probes() -> None:
     probe = acc_optimizer.is_lomo_available
     if not hasattr(probe, "cache_info"):
         acc_optimizer.is_lomo_available = functools.cache(probe)
-
-
-def _set_seed(seed: int) -> None:
-    from accelerate.utils import set_seed
-
-    set_seed(seed)

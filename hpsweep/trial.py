@@ -22,6 +22,9 @@ class Trial:
     """
 
     backend: str = "none"
+    #: The backend's own handle on the trial (JSON-able), kept in its lease so that a trial whose
+    #: process died can be closed in the backend's records (`Backend.abandon`).
+    ref: Any = None
     #: Whether ``suggest_*`` may add new params while the trial runs (define-by-run).
     define_by_run: bool = False
 

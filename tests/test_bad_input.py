@@ -84,7 +84,7 @@ def test_space_file_missing_a_required_name(tmp_path: Path) -> None:
     (["--sampler", "annealing"], ["'annealing' is not one of tpe, random"]),
     (["--pruner", "wilcoxon"], ["'wilcoxon' is not one of median"]),
     (["--scheduler", "asha"], ["the optuna backend has no schedulers"]),
-    (["--n-trials", "0"], ["give at least 1 trial"]),
+    (["--n-trials", "0"], ["--n-trials 0: give a whole number of at least 1"]),
     (["--n-trials", "many"], ["invalid int value: 'many'"]),
     (["--sampler", "grid"], ["has no step", "Float(..., step=...)"]),
     (["--storage", "sqlite:////nonexistent-dir/x/study.db"], ["cannot be opened", "check the URL"]),

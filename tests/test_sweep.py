@@ -215,10 +215,14 @@ def test_ctrl_c_records_the_running_trial_and_a_rerun_resumes_it(tmp_path: Path)
     # Make the rerun short: the re-queued trial resumes from the checkpoint, then stops at max_steps.
     step = int(last.name.split("-")[1])
     hpsweep_cli("run", space, "--n-trials", "1", "--pruner", "none", "--set", f"max_steps={step + 20}", check=True)
-    resumed = [r for r in runs.read_trials(tmp_path / "out") if r.number == 1][0]
+    [resumed] = runs.read_trials(tmp_path / "out")  # the same trial, in the same folder
+    assert (resumed.number, resumed.run_dir) == (0, str(run0))
     assert resumed.state == "complete" and resumed.params == record.params
-    assert resumed.user_attrs["resume_from"] == str(last)
+    assert resumed.resumed_from == str(last) and resumed.attempts == 2
     assert resumed.history[0]["step"] == 20  # the history came back with the checkpoint
+    study = optuna.load_study(study_name="space", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE"]  # nothing left RUNNING
+    assert study.trials[0].user_attrs["hpsweep_stopped"] is True
 
 
 def test_show_lists_trials_as_table_and_json(tmp_path: Path, space_file: Path) -> None:

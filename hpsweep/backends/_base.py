@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import UserError
+from ..errors import UserError, did_you_mean
+from ..runs import TrialRecord
 from ..space import Distribution
 from ..trial import Trial
 
@@ -19,6 +20,11 @@ TrialFunction = Callable[[Trial], "float | list[float]"]
 
 class TrialFailed(Exception):
     """A trial raised; its error is recorded in its trial.json and the sweep goes on."""
+
+
+#: The settings only some backends read, and the backend to suggest when one is given to another.
+OPTIONAL_SETTINGS = ("storage", "address", "resources_per_trial")
+OWNERS = {"address": "ray", "storage": "optuna"}
 
 
 @dataclass
@@ -44,6 +50,10 @@ class SearchSettings:
     resources_per_trial: dict[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
     options: dict[str, Any] = field(default_factory=dict)
     backend: str = ""  # the backend's name, for sweep callbacks that record it (MLflow, model cards)
+    max_failed_trials: int = 5
+    processes_per_trial: int = 1
+    #: The optional settings the user gave explicitly (checked against `Backend.reads`).
+    given: frozenset[str] = frozenset()
 
     @property
     def multi_objective(self) -> bool:
@@ -51,30 +61,50 @@ class SearchSettings:
 
 
 class Backend(abc.ABC):
-    """Decides which params to try and where trials run; `run` drives the whole search.
+    """Decides which params to try and where trials run; nothing else.
 
-    A backend is one module in ``hpsweep/backends/``, registered in ``backends/__init__.py``.
+    The search layer (`hpsweep.loop`) owns the loop: it claims a lease from the `Ledger`, asks the
+    backend for a trial, trains it and tells the backend how it ended. Counting, running orphaned
+    trials again, signals and failures are the ledger's and the loop's, alike for every backend.
+
+    A backend is one module in ``hpsweep/backends/`` and one line in ``backends/__init__.py``.
     `__init__` checks the settings and raises `UserError` for what it cannot do (a sampler it
     lacks, define-by-run, a missing extra), before anything is written to disk.
+
+    Subclasses implement `ask` and `tell`; `open` and `close` bracket a worker's use of it (in
+    each ``--n-jobs`` worker process after the fork, so connections are never shared). A backend
+    that runs trials somewhere else (Ray's cluster) overrides `run`.
     """
 
     name: ClassVar[str]
-    #: Which of the generic settings the backend reads; others given explicitly are an error.
+    #: The generic choices the backend offers; any other given explicitly is an error.
     samplers: ClassVar[Sequence[str]] = ()
     pruners: ClassVar[Sequence[str]] = ()
     schedulers: ClassVar[Sequence[str]] = ()
+    #: The optional settings the backend reads (names of `SearchSettings` fields); one given
+    #: explicitly that it does not read is an error, not silence.
+    reads: ClassVar[frozenset[str]] = frozenset()
+    #: Backend-specific keyword options (``hyperparameter_search(backend=..., name=value)``).
+    option_names: ClassVar[Sequence[str]] = ()
+    #: Whether ``--n-jobs`` worker processes may share the backend's records (a shared storage).
+    parallel: ClassVar[bool] = True
 
     def __init__(self, settings: SearchSettings) -> None:
         self.settings = settings
         self._check_choice("sampler", settings.sampler, self.samplers)
         self._check_choice("pruner", settings.pruner, self.pruners)
         self._check_choice("scheduler", settings.scheduler, self.schedulers)
-        if settings.n_trials is not None and settings.n_trials < 1:
-            raise UserError(f"--n-trials {settings.n_trials}: give at least 1 trial")
-        if settings.timeout is not None and settings.timeout <= 0:
-            raise UserError(f"--timeout {settings.timeout}: give a positive number of seconds")
-        if settings.n_jobs < 1:
-            raise UserError(f"--n-jobs {settings.n_jobs}: give at least 1")
+        for name in sorted(settings.given - self.reads):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag}: the {self.name} backend does not use it; drop {flag}"
+                            + (f" or use --backend {OWNERS[name]}" if name in OWNERS else ""))
+        unknown = sorted(set(settings.options) - set(self.option_names))
+        if unknown:
+            takes = f"it takes {', '.join(self.option_names)}" if self.option_names else "it takes none"
+            raise UserError(f"unknown {self.name} option(s) {', '.join(unknown)}{did_you_mean(unknown[0], self.option_names)}; "
+                            f"{takes}")
+        if settings.n_jobs > 1 and not self.parallel:
+            raise UserError(f"--n-jobs {settings.n_jobs}: the {self.name} backend runs one trial at a time; drop --n-jobs")
 
     def _check_choice(self, what: str, value: str | None, allowed: Sequence[str]) -> None:
         if value is None:
@@ -84,10 +114,29 @@ class Backend(abc.ABC):
         if value not in allowed:
             raise UserError(f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend")
 
-    @abc.abstractmethod
-    def run(self, trial_fn: TrialFunction) -> None:
-        """Run trials until ``n_trials`` are finished or ``timeout`` passes.
+    def open(self, worker: int = 0) -> None:
+        """Connect to the backend's records (a study, a sweep); called in the process that asks
+        (``worker`` numbers the ``--n-jobs`` processes, e.g. for distinct seeded streams)."""
 
-        ``trial_fn`` is picklable; backends that run trials in other processes ship it there.
-        `KeyboardInterrupt` must leave the backend's own records consistent and propagate.
+    def close(self) -> None:
+        """Release what `open` took."""
+
+    @abc.abstractmethod
+    def ask(self, again: TrialRecord | None = None) -> Trial | None:
+        """The next trial to run, or None when the search has nothing more to try (a finished grid).
+
+        With ``again``, the record of a trial whose run was cut short: return that trial again,
+        with its number and params (its folder and checkpoint are the search layer's business).
         """
+
+    @abc.abstractmethod
+    def tell(self, trial: Trial, state: str, value: float | list[float] | None = None) -> None:
+        """How ``trial`` ended: ``complete`` (with its objective), ``pruned``, ``failed``, or
+        ``stopped`` (it will run again; the backend should not count it as a result)."""
+
+    def abandon(self, ref: Any) -> None:
+        """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""
+
+    def run(self, loop: Any) -> None:
+        """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers."""
+        loop.run_locally(self)

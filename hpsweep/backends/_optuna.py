@@ -1,28 +1,26 @@
 """The Optuna backend: Optuna's samplers and pruners over a study in ``DIR/study.db``.
 
 The study lives in an Optuna storage (SQLite by default), so a sweep stopped and started again
-continues the same study, and several ``hpsweep run`` processes on one storage share the work.
-``n_trials`` is the study's target: trials already finished count towards it.
-``--n-jobs N`` runs N worker processes on the storage (threads would fight over the GIL).
+continues the same study. The search layer's loop asks this backend for trials (``study.ask``)
+and tells it how they ended (``study.tell``); counting, ``--n-jobs`` worker processes and
+running interrupted trials again are the ledger's (`hpsweep.ledger`). A trial that runs again
+is a new Optuna trial with the same params (enqueued), while the cut-short one is told FAIL
+with the user attribute ``hpsweep_stopped``, so the study never keeps a trial RUNNING that no
+process runs.
 """
 from __future__ import annotations
 
-import multiprocessing
-import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from ..errors import TrialPruned, UserError
+from ..errors import UserError
 from ..space import Distribution, Float, Int
 from ..trial import Trial
-from ._base import Backend, SearchSettings, TrialFailed, TrialFunction
-
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+from ._base import Backend, SearchSettings
 
 
 class OptunaTrial(Trial):
@@ -31,12 +29,11 @@ class OptunaTrial(Trial):
     backend = "optuna"
     define_by_run = True
 
-    def __init__(self, trial: optuna.Trial, multi_objective: bool) -> None:
-        super().__init__(trial.number, trial.params)
+    def __init__(self, trial: optuna.Trial, multi_objective: bool, number: int | None = None) -> None:
+        super().__init__(trial.number if number is None else number, trial.params)
         self._trial = trial
         self._multi = multi_objective
-        if "resume_from" in trial.user_attrs:
-            self.user_attrs["resume_from"] = trial.user_attrs["resume_from"]
+        self.ref = trial._trial_id
 
     def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
         if not self._multi and objective is not None:  # Optuna prunes single-objective studies only
@@ -75,23 +72,23 @@ class OptunaBackend(Backend):
     name = "optuna"
     samplers = ("tpe", "random", "cmaes", "gp", "grid", "nsga2")
     pruners = ("median", "hyperband", "sha", "none")
+    reads = frozenset({"storage", "resources_per_trial"})
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
-        if settings.address is not None:
-            raise UserError("--address names a Ray cluster; add --backend ray")
         if (settings.sampler or "tpe") == "grid":
             if settings.space is None:
                 raise UserError("--sampler grid needs a `space` dict (a grid cannot be define-by-run)")
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
         self.storage_url = settings.storage or f"sqlite:///{settings.output_dir.resolve() / 'study.db'}"
+        self.study: optuna.Study | None = None
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
     # --- the pieces Optuna provides -------------------------------------------------------------------
 
-    def _sampler(self, worker: int = 0) -> optuna.samplers.BaseSampler:
+    def _sampler(self, stream: int) -> optuna.samplers.BaseSampler:
         s = self.settings
-        seed = None if s.seed is None else s.seed + worker  # distinct streams for parallel workers
+        seed = None if s.seed is None else s.seed + stream
         name = s.sampler or "tpe"
         if name == "tpe":
             return optuna.samplers.TPESampler(seed=seed)
@@ -124,11 +121,11 @@ class OptunaBackend(Backend):
             return storage
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
 
-    def load_study(self, worker: int = 0) -> optuna.Study:
+    def load_study(self, stream: int = 0) -> optuna.Study:
         # Processes starting together race to create the tables and the study: try again.
         for attempt in range(6):
             try:
-                return self._load_study(worker)
+                return self._load_study(stream)
             except _StorageError as exc:
                 if attempt == 5:
                     raise UserError(f"--storage {self.storage_url} cannot be opened ({exc}); "
@@ -136,115 +133,81 @@ class OptunaBackend(Backend):
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def _load_study(self, worker: int) -> optuna.Study:
+    def _load_study(self, stream: int) -> optuna.Study:
         s = self.settings
         try:
-            return optuna.create_study(storage=self._storage(), study_name=s.study_name, sampler=self._sampler(worker),
-                                       pruner=self._pruner(), directions=s.directions, load_if_exists=True)
-        except ValueError as exc:  # e.g. the stored study has other directions
-            raise UserError(f"study {s.study_name!r} in {self.storage_url}: {exc}; "
-                            "use another --study-name or --output-dir") from None
+            study = optuna.create_study(storage=self._storage(), study_name=s.study_name,
+                                        sampler=self._sampler(stream), pruner=self._pruner(),
+                                        directions=s.directions, load_if_exists=True)
         except ImportError as exc:
             raise UserError(f"--storage {self.storage_url}: {exc}") from None
         except Exception as exc:
             if type(exc).__module__.startswith("sqlalchemy"):
                 raise _StorageError(type(exc).__name__) from None
             raise
+        stored = [d.name.lower() for d in study.directions]
+        if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
+            raise UserError(f"study {s.study_name!r} in {self.storage_url} was created to {', '.join(stored)}, not "
+                            f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir")
+        return study
 
-    # --- running ---------------------------------------------------------------------------------------
+    # --- asking and telling ------------------------------------------------------------------------------
 
-    def run(self, trial_fn: TrialFunction) -> None:
-        study = self.load_study()
-        self._requeue_stopped(study)
+    def open(self, worker: int = 0) -> None:
+        # A seeded sampler draws a stream of its own per worker, and a rerun continues after the
+        # trials the study already holds instead of drawing the first ones again.
+        asked = len(self.load_study().get_trials(deepcopy=False, states=None))
+        self.study = self.load_study(stream=asked + 7919 * worker)
+
+    def close(self) -> None:
+        self.study = None
+
+    def ask(self, again: Any = None) -> OptunaTrial | None:
+        study = self.study
+        assert study is not None, "open() first"
         s = self.settings
-        remaining = None if s.n_trials is None else s.n_trials - _finished(study)
-        if remaining is not None and remaining <= 0:
-            return
-        if s.n_jobs == 1:
-            self._optimize(study, trial_fn, remaining)
-            return
-        self._optimize_in_processes(trial_fn, remaining)
-
-    def _requeue_stopped(self, study: optuna.Study) -> None:
-        """Trials stopped by Ctrl-C run again with the same params, resuming from their last checkpoint."""
-        from .. import runs
-
-        trials = study.get_trials(deepcopy=False)
-        requeued = _requeued(trials)
-        pending = [t for t in trials if t.state == TrialState.FAIL and t.number not in requeued]
-        if not pending:
-            return
-        stopped = {r.number: r for r in runs.read_trials(self.settings.output_dir)
-                   if r.backend == "optuna" and r.state == "stopped"}
-        for t in pending:
-            if t.number in stopped:
-                latest = runs.latest_checkpoint(Path(stopped[t.number].run_dir))
-                attrs = {"requeued_from": t.number, **({"resume_from": str(latest)} if latest else {})}
-                study.enqueue_trial(t.params, user_attrs=attrs, skip_if_exists=False)
-
-    def _optimize(self, study: optuna.Study, trial_fn: TrialFunction, n_trials: int | None) -> None:
-        s = self.settings
-        space = s.space
-
-        def objective(otrial: optuna.Trial) -> Any:
-            trial = OptunaTrial(otrial, s.multi_objective)
-            if space is not None:
-                for name, dist in space.items():
-                    try:
-                        suggest(trial, name, dist)
-                    except ValueError as exc:  # the stored study knows this name with another distribution
-                        raise UserError(f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} "
-                                        f"recorded ({exc}); keep the space, or use another --study-name or "
-                                        "--output-dir") from None
-            try:
-                return trial_fn(trial)
-            except TrialPruned:
-                raise optuna.TrialPruned() from None
-
-        callbacks = [] if s.n_trials is None else [_StopAtTotal(s.n_trials)]
-        study.optimize(objective, n_trials=n_trials, timeout=s.timeout, catch=(TrialFailed,), callbacks=callbacks,
-                       gc_after_trial=False, show_progress_bar=False)
-
-    def _optimize_in_processes(self, trial_fn: TrialFunction, remaining: int | None) -> None:
-        s = self.settings
-        ctx = multiprocessing.get_context("fork")
-        errors = ctx.SimpleQueue()
-        threads = max(1, (os.cpu_count() or 1) // s.n_jobs)
-        shares = _split(remaining, s.n_jobs)
-        procs = [ctx.Process(target=_worker, args=(self, trial_fn, i, share, threads, errors), daemon=False)
-                 for i, share in enumerate(shares) if share != 0]
-        for p in procs:
-            p.start()
+        if again is not None:  # the same params again, as a new Optuna trial (the cut-short one is FAIL)
+            study.enqueue_trial(again.params, user_attrs={"hpsweep_again": again.id}, skip_if_exists=False)
+        elif (s.sampler or "tpe") == "grid" and self._grid_done(study):
+            return None
+        trial = OptunaTrial(study.ask(), s.multi_objective, number=None if again is None else again.number)
+        if again is not None:
+            trial.id = again.id
         try:
-            for p in procs:
-                p.join()
-        except KeyboardInterrupt:  # the workers got the same SIGINT: let them record their trials
-            for p in procs:
-                p.join()
-            raise
-        if not errors.empty():
-            kind, message = errors.get()
-            raise UserError(message) if kind == "user" else RuntimeError(message)
-        if any(p.exitcode not in (0, None) for p in procs):
-            raise KeyboardInterrupt if any(p.exitcode == 130 for p in procs) else RuntimeError(
-                f"an Optuna worker process died (exit codes {[p.exitcode for p in procs]})")
+            for name, dist in (s.space or {}).items():
+                suggest(trial, name, dist)
+        except ValueError as exc:  # the stored study knows this name with another distribution
+            study.tell(trial._trial, state=TrialState.FAIL)
+            raise UserError(f"the space differs from what study {s.study_name!r} recorded ({exc}); keep the "
+                            "space, or use another --study-name or --output-dir") from None
+        return trial
 
+    def tell(self, trial: Any, state: str, value: Any = None) -> None:
+        assert self.study is not None
+        if state == "complete":
+            self.study.tell(trial._trial, value)
+        elif state == "pruned":
+            self.study.tell(trial._trial, state=TrialState.PRUNED)
+        else:
+            if state == "stopped":
+                trial._trial.set_user_attr("hpsweep_stopped", True)
+            self.study.tell(trial._trial, state=TrialState.FAIL)
 
-def _worker(backend: OptunaBackend, trial_fn: TrialFunction, index: int, n_trials: int | None, threads: int,
-            errors: Any) -> None:
-    import torch
+    def abandon(self, ref: Any) -> None:
+        """Fail the Optuna trial a dead process left RUNNING (it runs again as a new trial)."""
+        assert self.study is not None
+        storage = self.study._storage
+        try:
+            if storage.get_trial(int(ref)).state == TrialState.RUNNING:
+                storage.set_trial_user_attr(int(ref), "hpsweep_stopped", True)
+                storage.set_trial_state_values(int(ref), TrialState.FAIL)
+        except (KeyError, ValueError, RuntimeError):
+            pass  # already finished, or another storage's trial
 
-    torch.set_num_threads(threads)
-    try:
-        backend._optimize(backend.load_study(index), trial_fn, n_trials)
-    except UserError as exc:
-        errors.put(("user", str(exc)))
-        os._exit(2)
-    except KeyboardInterrupt:
-        os._exit(130)
-    except Exception as exc:
-        errors.put(("internal", f"{type(exc).__name__}: {exc}"))
-        os._exit(1)
+    @staticmethod
+    def _grid_done(study: optuna.Study) -> bool:
+        sampler = study.sampler
+        return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
 
 
 def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
@@ -269,31 +232,3 @@ def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
 
 class _StorageError(Exception):
     """The storage refused a connection or a write (often a race between starting processes)."""
-
-
-class _StopAtTotal:
-    """Stop once the study holds ``n`` finished trials (from every process sharing it)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __call__(self, study: optuna.Study, trial: Any) -> None:
-        if _finished(study) >= self.n:
-            study.stop()
-
-
-def _requeued(trials: Sequence[Any]) -> set[int]:
-    return {t.user_attrs["requeued_from"] for t in trials if "requeued_from" in t.user_attrs}
-
-
-def _finished(study: optuna.Study) -> int:
-    """Finished trials, not counting stopped ones that were queued to run again."""
-    trials = study.get_trials(deepcopy=False)
-    requeued = _requeued(trials)
-    return sum(1 for t in trials if t.state in FINISHED and t.number not in requeued)
-
-
-def _split(total: int | None, parts: int) -> list[int | None]:
-    if total is None:
-        return [None] * parts
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]

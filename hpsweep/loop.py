@@ -1,0 +1,276 @@
+"""The search loop every local backend runs: claim a lease, ask the backend, train, tell it.
+
+One process (``--n-jobs 1``) runs the loop itself; with ``--n-jobs N`` the command forks N
+worker processes that each run it, and supervises them:
+
+- workers die with the command: each asks the kernel for SIGTERM when its parent dies
+  (``PR_SET_PDEATHSIG``), so even a ``kill -9`` of the command leaves no orphan training;
+- a signal to the command (Ctrl-C, ``kill -INT``, SIGTERM) stops every worker once: workers
+  ignore the terminal's SIGINT and get one SIGTERM from the command, record their trial as
+  ``stopped`` and exit; the command then exits 130 (143 after SIGTERM);
+- a worker that dies (``kill -9``, an OOM kill) costs only its trial: the ledger sees its lease
+  die, the trial runs again from its checkpoint, and a new worker takes the dead one's place;
+- a user error in any worker stops the others and comes back as one line (exit 2).
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .backends import Backend, SearchSettings, TrialFailed
+from .errors import TrialPruned, UserError
+from .ledger import Claim, Ledger
+from .trial import Trial
+
+WAIT_S = 0.5  # how often a worker with nothing to claim looks again (others' trials may need re-running)
+RESTARTS_PER_WORKER = 3  # dead workers replaced per --n-jobs slot before the command gives up
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM; ``signum`` picks the exit code (128 + signum)."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class TrialLoop:
+    """Runs trials until the ledger has ``n_trials`` finished, the timeout passes, or
+    ``max_failed_trials`` trials of this command failed.
+
+    Args:
+        runner: trains one trial (the `hpsweep.sweep.TrialRunner`); raises `TrialPruned`,
+            `TrialFailed` (recorded), `UserError` (the sweep cannot go on) or an interrupt.
+        settings: the search's settings.
+    """
+
+    def __init__(self, runner: Any, settings: SearchSettings) -> None:
+        self.runner = runner
+        self.settings = settings
+        self.ledger = Ledger(settings.output_dir, settings.n_trials)
+        self.started = time.time()
+        self.deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
+
+    # --- one process ----------------------------------------------------------------------------------
+
+    def work(self, backend: Backend, worker: int = 0) -> None:
+        """The loop itself, in this process (``worker`` numbers it among ``--n-jobs`` processes)."""
+        backend.open(worker)
+        try:
+            while self.deadline is None or time.monotonic() < self.deadline:
+                with self.ledger.locked():
+                    for dead in self.ledger.reap():
+                        if dead.info.get("ref") is not None:
+                            backend.abandon(dead.info["ref"])
+                    claim = self.ledger.claim()
+                    trial = self._ask(backend, claim) if isinstance(claim, Claim) else None
+                if claim == "done" or (isinstance(claim, Claim) and trial is None):
+                    return
+                if claim == "wait":
+                    time.sleep(WAIT_S)
+                    continue
+                assert isinstance(claim, Claim) and trial is not None
+                self._run(backend, trial, claim)
+                self._check_failures()
+        finally:
+            backend.close()
+
+    def _ask(self, backend: Backend, claim: Claim) -> Trial | None:
+        try:
+            trial = backend.ask(claim.again)
+        except BaseException:
+            claim.lease.release()  # a claimed record goes back to waiting at the next reap
+            raise
+        if trial is None:
+            claim.lease.release()
+            return None
+        if claim.again is not None:
+            trial.user_attrs["again"] = claim.again
+        claim.lease.bind(trial.id, trial.ref)
+        return trial
+
+    def _run(self, backend: Backend, trial: Trial, claim: Claim) -> None:
+        try:
+            value = self.runner(trial)
+        except TrialPruned:
+            backend.tell(trial, "pruned")
+        except TrialFailed:
+            backend.tell(trial, "failed")
+        except UserError:
+            backend.tell(trial, "failed")
+            raise
+        except BaseException:
+            backend.tell(trial, "stopped")
+            raise
+        else:
+            backend.tell(trial, "complete", value)
+        finally:
+            claim.lease.release()
+
+    def _check_failures(self) -> None:
+        failed = self.ledger.failures_since(self.started)
+        limit = self.settings.max_failed_trials
+        if len(failed) >= limit:
+            last = failed[-1]
+            raise UserError(f"{len(failed)} trials failed in this run (--max-failed-trials {limit}); the last: "
+                            f"{last.error} (see {last.run_dir}/error.log); fix the cause and run the same command again")
+
+    # --- worker processes -----------------------------------------------------------------------------
+
+    def run_locally(self, backend: Backend) -> None:
+        """``--n-jobs 1``: the loop here; N: N supervised worker processes."""
+        if self.settings.n_jobs == 1:
+            with _signals_interrupt():
+                self.work(backend)
+            return
+        _Supervisor(self, backend).run()
+
+
+class _Supervisor:
+    def __init__(self, loop: TrialLoop, backend: Backend) -> None:
+        self.loop = loop
+        self.backend = backend
+        self.ctx = multiprocessing.get_context("fork")
+        self.messages = self.ctx.SimpleQueue()
+        self.procs: dict[int, Any] = {}
+        self.stopping: int | None = None  # the signal that stops the sweep
+        self.restarts = 0
+
+    def run(self) -> None:
+        n = self.loop.settings.n_jobs
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for index in range(n):
+                self._start(index)
+            self._supervise(n)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_all(signal.SIGTERM)  # whatever went wrong here, no worker outlives the command
+            for proc in self.procs.values():
+                proc.join()
+        if self.stopping is not None:
+            raise Interrupted(self.stopping)
+
+    def _start(self, index: int) -> None:
+        proc = self.ctx.Process(target=_worker_main, args=(self.loop, self.backend, index, self.messages),
+                                name=f"hpsweep-worker-{index}", daemon=False)
+        proc.start()
+        self.procs[index] = proc
+
+    def _supervise(self, n: int) -> None:
+        from multiprocessing.connection import wait
+
+        while self.procs:
+            sentinels = {proc.sentinel: index for index, proc in self.procs.items()}
+            for sentinel in wait(list(sentinels), timeout=1.0):
+                index = sentinels[sentinel]
+                proc = self.procs.pop(index)
+                proc.join()
+                self._on_exit(index, proc.exitcode, n)
+
+    def _on_exit(self, index: int, code: int | None, n: int) -> None:
+        if code == 0 or self.stopping is not None:
+            return
+        if code in (1, 2):
+            kind, message = self.messages.get() if not self.messages.empty() else ("internal", f"exit code {code}")
+            self._stop_all(signal.SIGTERM)
+            for proc in self.procs.values():
+                proc.join()
+            self.procs.clear()
+            raise UserError(message) if kind == "user" else RuntimeError(f"a worker process failed: {message}")
+        if code in (130, 143):  # stopped by a signal sent to it alone: the sweep goes on without it
+            return
+        # Killed (kill -9, the OOM killer): its trial's lease died with it and runs again; replace it.
+        self.restarts += 1
+        if self.restarts > RESTARTS_PER_WORKER * n:
+            self._stop_all(signal.SIGTERM)
+            raise RuntimeError(f"{self.restarts} worker processes died (the last with exit code {code}); "
+                               "see the trials' error.log and the system log (out of memory?)")
+        print(f"hpsweep: worker {index} died (exit code {code}); its trial runs again in a new worker",
+              file=sys.stderr)
+        self._start(index)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stopping is None:
+            self.stopping = signum
+            self._stop_all(signal.SIGTERM)
+
+    def _stop_all(self, signum: int) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+
+def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any) -> None:
+    """One ``--n-jobs`` worker: the loop, with the command's death and SIGTERM as interrupts."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the command died before we asked
+        os._exit(143)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C: the command forwards it once
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    _share_cores(loop.settings.n_jobs)
+    code = 0
+    try:
+        loop.work(backend, index)
+    except UserError as exc:
+        messages.put(("user", str(exc)))
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as exc:  # noqa: BLE001 - reported to the command, which prints it once
+        messages.put(("internal", f"{type(exc).__name__}: {exc}"))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut the trial's record short
+    raise Interrupted(signum)
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM stops an in-process sweep the way Ctrl-C does (the trial is recorded ``stopped``)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when its parent dies (a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _share_cores(n_jobs: int) -> None:
+    """Give each of ``n_jobs`` parallel trials its share of this process's cores (no oversubscription)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // n_jobs))
