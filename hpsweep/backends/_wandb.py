@@ -38,7 +38,7 @@ from .. import runs
 from ..errors import TrialPruned, UserError
 from ..space import Categorical, Distribution, Int
 from ..trial import Trial
-from ._base import Backend, SearchSettings, TrialFailed, TrialFunction
+from ._base import Backend, SearchSettings, TrialFailed
 
 SWEEP_FILE = "wandb_sweep.json"
 OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity")
@@ -46,7 +46,6 @@ OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity")
 #: early-terminated runs ``stopped`` and keeps their history, so bayes learns from pruned runs too.
 RUN_STATES = {"complete": "finished", "pruned": "finished", "failed": "failed", "running": "crashed",
               "stopped": "crashed"}
-FINISHED = ("complete", "pruned", "failed")
 
 
 class WandbTrial(Trial):
@@ -137,6 +136,9 @@ class WandbBackend(Backend):
     name = "wandb"
     samplers = ("bayes", "random", "grid")
     pruners = ("hyperband", "none")
+    reads = frozenset({"resources_per_trial"})
+    option_names = OPTIONS
+    parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
@@ -145,26 +147,17 @@ class WandbBackend(Backend):
                             "declare the parameters in `space` or use --backend optuna for hp_space")
         if settings.multi_objective:
             raise UserError("W&B sweeps optimise one metric; give one direction, or use --backend optuna")
-        for what, value, hint in (("--storage", settings.storage, "it names an Optuna storage"),
-                                  ("--address", settings.address, "it names a Ray cluster")):
-            if value is not None:
-                raise UserError(f"{what} {value}: {hint}; drop it with --backend wandb")
-        if settings.n_jobs != 1:
-            raise UserError(f"--n-jobs {settings.n_jobs}: the wandb backend runs one trial at a time; drop --n-jobs "
-                            "(online, start more agents with `wandb agent SWEEP_ID`)")
-        unknown = sorted(set(settings.options) - set(OPTIONS))
-        if unknown:
-            raise UserError(f"unknown wandb option(s) {', '.join(unknown)}; the wandb backend takes {', '.join(OPTIONS)}")
         self.config = sweep_config(settings)  # grid on a Float without step raises its UserError here
         self.metric = settings.objective_name
         self.online = _logged_in() and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun")
+        self._histories: dict[str, list[dict[str, float]]] = {}  # objective per evaluation, for callable objectives
 
-    def run(self, trial_fn: TrialFunction) -> None:
+    def run(self, loop: Any) -> None:
         saved = self._load_sweep_file()
         if self.online:
-            self._run_online(trial_fn, saved.get("sweep_id"))
+            self._run_online(loop.runner, saved.get("sweep_id"), loop)
         else:
-            self._run_local(trial_fn)
+            super().run(loop)
 
     # --- shared pieces --------------------------------------------------------------------------------
 
@@ -181,15 +174,6 @@ class WandbBackend(Backend):
     def _records(self) -> list[runs.TrialRecord]:
         return runs.read_trials(self.settings.output_dir)
 
-    def _done(self, records: Sequence[runs.TrialRecord]) -> int:
-        return sum(1 for r in records if r.backend == "wandb" and r.state in FINISHED)
-
-    def _remaining(self, records: Sequence[runs.TrialRecord], started: float) -> bool:
-        s = self.settings
-        if s.timeout is not None and time.monotonic() - started >= s.timeout:
-            return False
-        return s.n_trials is None or self._done(records) < s.n_trials
-
     @staticmethod
     def _init_settings() -> wandb.Settings:
         # No console capture, no system-metrics sampler, no git/code/requirements scans: a trial
@@ -197,66 +181,60 @@ class WandbBackend(Backend):
         return wandb.Settings(console="off", x_disable_stats=True, silent=True, save_code=False,
                               disable_git=True, x_save_requirements=False)
 
-    def _call(self, trial_fn: TrialFunction, trial: WandbTrial) -> str:
-        """Train ``trial``; returns its end state and leaves the run's summary set."""
+    # --- local: the sweeps engine on the runs on disk -----------------------------------------------
+
+    def ask(self, again: runs.TrialRecord | None = None) -> WandbTrial | None:
+        from ..ledger import Ledger
+
+        s = self.settings
+        records = self._records()
+        finished = [self._as_sweep_run(r) for r in records if r.backend == "wandb"]
+        if again is not None:  # cut short: train it again from its last checkpoint
+            number, params = again.number, again.params
+            history = _checkpoint_history(runs.latest_checkpoint(Path(again.run_dir)), self.metric)
+        else:
+            # Numbers in use: recorded trials, and trials claimed (leased) but not yet recorded.
+            leased = [int(lease.trial) for lease in Ledger(s.output_dir, None).leases()
+                      if str(lease.trial or "").isdigit()]
+            number = max([r.number for r in records] + leased, default=-1) + 1
+            if s.seed is not None:  # the engine samples with `random` and numpy
+                random.seed(s.seed + number)
+                np.random.seed((s.seed + number) % 2**32)
+            suggestion = sweeps.next_run(self.config, finished)
+            if suggestion is None:  # a grid that is done
+                return None
+            params = {k: _plain(v["value"]) for k, v in suggestion.config.items()}
+            history = []
+        mode = "disabled" if os.environ.get("WANDB_MODE") == "disabled" else "offline"
+        run = wandb.init(mode=mode, dir=str(s.output_dir), project=s.study_name, group=s.study_name,
+                         name=f"run-{number}", config=params, reinit="finish_previous",
+                         settings=self._init_settings())
+        stopper = self._hyperband_stopper(finished) if "early_terminate" in self.config else None
+        return WandbTrial(number, params, run=run, metric=self.metric, history=history, stopper=stopper)
+
+    def tell(self, trial: Any, state: str, value: Any = None) -> None:
+        self._histories[trial.id] = trial.history
+        if state == "pruned":
+            trial.run.tags = (*trial.run.tags, "pruned")  # W&B has no pruned state; a tag keeps it findable
+        elif state == "complete":
+            trial.run.summary[self.metric] = value
+        trial.run.finish(exit_code={"complete": 0, "pruned": 0, "stopped": 130}.get(state, 1))
+
+    def _call(self, trial_fn: Any, trial: WandbTrial) -> str:
+        """Online: train ``trial`` in the agent's thread; returns its end state, the run's summary set."""
         try:
             objective = trial_fn(trial)
         except TrialPruned:
-            trial.run.tags = (*trial.run.tags, "pruned")  # W&B has no pruned state; a tag keeps it findable
+            trial.run.tags = (*trial.run.tags, "pruned")
             return "pruned"
         except TrialFailed:
             return "failed"
         trial.run.summary[self.metric] = objective
         return "complete"
 
-    # --- local: the sweeps engine on the runs on disk -----------------------------------------------
-
-    def _run_local(self, trial_fn: TrialFunction) -> None:
-        s = self.settings
-        mode = "disabled" if os.environ.get("WANDB_MODE") == "disabled" else "offline"
-        started = time.monotonic()
-        histories: dict[str, list[dict[str, float]]] = {}  # objective per evaluation, for callable objectives
-        while True:
-            records = self._records()
-            if not self._remaining(records, started):
-                return
-            finished = [self._as_sweep_run(r, histories) for r in records if r.backend == "wandb"]
-            stopped = next((r for r in records if r.backend == "wandb" and r.state == "stopped"), None)
-            if stopped is not None:  # Ctrl-C or a crash: train it again from its last checkpoint
-                number, params = stopped.number, stopped.params
-                latest = runs.latest_checkpoint(Path(stopped.run_dir))
-                history = _checkpoint_history(latest, self.metric)
-            else:
-                number = max((r.number for r in records), default=-1) + 1
-                if s.seed is not None:  # the engine samples with `random` and numpy
-                    random.seed(s.seed + number)
-                    np.random.seed((s.seed + number) % 2**32)
-                suggestion = sweeps.next_run(self.config, finished)
-                if suggestion is None:  # a grid that is done
-                    return
-                params = {k: _plain(v["value"]) for k, v in suggestion.config.items()}
-                latest, history = None, []
-            run = wandb.init(mode=mode, dir=str(s.output_dir), project=s.study_name, group=s.study_name,
-                             name=f"run-{number}", config=params, reinit="finish_previous",
-                             settings=self._init_settings())
-            stopper = self._hyperband_stopper(finished) if "early_terminate" in self.config else None
-            trial = WandbTrial(number, params, run=run, metric=self.metric, history=history, stopper=stopper)
-            if latest is not None:
-                trial.user_attrs["resume_from"] = str(latest)
-            try:
-                state = self._call(trial_fn, trial)
-            except KeyboardInterrupt:
-                run.finish(exit_code=130)
-                raise
-            except BaseException:
-                run.finish(exit_code=1)
-                raise
-            histories[trial.id] = trial.history
-            run.finish(exit_code=1 if state == "failed" else 0)
-
-    def _as_sweep_run(self, record: runs.TrialRecord, histories: Mapping[str, list]) -> sweeps.SweepRun:
+    def _as_sweep_run(self, record: runs.TrialRecord) -> sweeps.SweepRun:
         """A trial on disk as the engine sees a W&B run: config, state, metric history, summary."""
-        history = histories.get(record.id) or [{self.metric: h[self.metric]} for h in record.history
+        history = self._histories.get(record.id) or [{self.metric: h[self.metric]} for h in record.history
                                                if self.metric in h]
         summary = {self.metric: record.objective} if isinstance(record.objective, (int, float)) else {}
         return _sweep_run(record.id, RUN_STATES.get(record.state, "crashed"), record.params, history, summary,
@@ -270,7 +248,7 @@ class WandbBackend(Backend):
 
     # --- online: wandb.sweep + wandb.agent (not testable without a W&B server) ------------------------
 
-    def _run_online(self, trial_fn: TrialFunction, sweep_id: str | None) -> None:
+    def _run_online(self, trial_fn: Any, sweep_id: str | None, loop: Any) -> None:
         s = self.settings
         entity = s.options.get("entity")
         if sweep_id is None:
@@ -309,7 +287,8 @@ class WandbBackend(Backend):
         started = time.monotonic()
         try:
             # One agent per trial, so n_trials, --timeout and errors are checked between runs.
-            while self._remaining(self._records(), started) and not errors and not interrupted.is_set():
+            while (not loop.ledger.done() and (s.timeout is None or time.monotonic() - started < s.timeout)
+                   and not errors and not interrupted.is_set()):
                 wandb.agent(sweep_id, function=one_trial, count=1, project=s.study_name, entity=entity)
         finally:
             if main_thread:
