@@ -370,7 +370,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         chosen.run(TrialLoop(TrialRunner(job, backend), settings))
         finished = True
     except UserError:
-        if not existed:
+        if not existed and not runs.read_trials(output_dir):  # refused before any trial: leave nothing behind
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
     finally:
