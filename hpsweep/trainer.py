@@ -135,6 +135,7 @@ class Trainer:
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
 
         self.accelerator = acc = self._make_accelerator()
+        _check_not_empty(self.train_dataset, "train_dataset")
         train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
         if len(train_dl) == 0:
             raise UserError("train_dataset is empty (or smaller than one batch with dataloader_drop_last)")
@@ -331,7 +332,11 @@ class Trainer:
             if prediction is None:
                 raise UserError("compute_metrics needs predictions, but the model's output has no logits; "
                                 "return {'loss': ..., 'logits': ...} from forward")
-            for key, value in dict(self.compute_metrics(prediction)).items():
+            computed = self.compute_metrics(prediction)
+            if not isinstance(computed, Mapping):
+                raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
+                                "float, e.g. {'accuracy': 0.9}")
+            for key, value in computed.items():
                 metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
         self.state.num_evaluations += 1
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
@@ -433,3 +438,10 @@ def _cache_accelerate_package_probes() -> None:
     probe = acc_optimizer.is_lomo_available
     if not hasattr(probe, "cache_info"):
         acc_optimizer.is_lomo_available = functools.cache(probe)
+
+
+def _check_not_empty(dataset: Any, name: str) -> None:
+    """An empty dataset fails every trial the same way: say so, instead of torch's sampler error."""
+    resolved = resolve_dataset(dataset)
+    if hasattr(resolved, "__len__") and len(resolved) == 0:
+        raise UserError(f"{name} is empty (0 samples); give it data")
