@@ -349,9 +349,44 @@ class TrialRecord:
 
 
 def read_trials(output_dir: Path) -> list[TrialRecord]:
-    """Every trial under ``output_dir``, by number (unreadable records are skipped)."""
-    records = [r for r in (TrialRecord.load(p) for p in trial_files(output_dir)) if r is not None]
+    """Every trial under ``output_dir``, by number (unreadable records are skipped).
+
+    The ledger reads them before every claim, so this must not grow costly with the sweep: a
+    record already read as ``complete``, ``pruned`` or ``failed`` never changes again, and is
+    reused while its run folder is the same folder (same inode); others are read again when
+    their file changed (mtime, size).
+    """
+    records = []
+    try:
+        entries = list(os.scandir(output_dir))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        path = os.path.join(entry.path, TRIAL_FILE)
+        cached = _RECORDS.get(path)
+        if cached is not None and cached[0] == entry.inode() and cached[2] is not None \
+                and cached[2].state in FINAL_STATES:
+            record = cached[2]
+        else:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if cached is None or cached[1] != (st.st_mtime_ns, st.st_size) or cached[0] != entry.inode():
+                cached = (entry.inode(), (st.st_mtime_ns, st.st_size), TrialRecord.load(Path(path)))
+                _RECORDS[path] = cached
+            record = cached[2]
+        if record is not None:
+            copied = TrialRecord.__new__(TrialRecord)  # a shallow copy, without copy.copy's generic path
+            copied.__dict__.update(record.__dict__)
+            records.append(copied)
     return sorted(records, key=lambda r: (r.number, r.id))
+
+
+FINAL_STATES = ("complete", "pruned", "failed")
+_RECORDS: dict[str, tuple[int, tuple[int, int], TrialRecord | None]] = {}
 
 
 def trial_files(output_dir: Path) -> Iterator[Path]:
