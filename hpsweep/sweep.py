@@ -218,6 +218,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
            sweep_callbacks: Sequence[SweepCallback] = (), show_progress: bool = True,
            **options: Any) -> Any:
     """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`."""
+    from .objective import resolve_objective
     from .trainer import model_init_arity
 
     directions = normalise_directions(direction)
@@ -227,8 +228,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if space is not None:
         space = validate_space(space)
         check_space_against_args(space, trainer.args, takes_trial)
-    if objective is None:
-        objective = "eval_loss"
+    objective = resolve_objective(objective, directions, trainer.compute_metrics)  # HF's default; says which
     if len(directions) > 1 and isinstance(objective, str):
         raise UserError(f"{len(directions)} directions need an objective function returning {len(directions)} values")
     if isinstance(objective, str) and not objective.startswith("eval_"):
