@@ -106,6 +106,7 @@ class HFComponents(TrainerCallback):
     It rides along with the user's callbacks, so the trainer of every trial (in this process or
     on a Ray worker) gets the same ones, and it saves ``processing_class`` into each checkpoint
     right after the weights are written, so ``best/`` loads with ``AutoTokenizer.from_pretrained``.
+    It is the first of the user's callbacks, so the reporter and pushers see the tokenizer there.
     """
 
     def __init__(self, processing_class: Any = None,
@@ -140,7 +141,7 @@ def trainer_components(callbacks: list[Any], *, processing_class: Any, tokenizer
         compute_loss_func=_first(compute_loss_func, carried.compute_loss_func))
     kept = [cb for cb in callbacks if not isinstance(cb, HFComponents)]
     if any(v is not None for v in vars(components).values()):
-        kept.append(components)
+        kept.insert(0, components)  # first: the tokenizer is in a checkpoint before others see on_save
     return components, kept
 
 

@@ -105,7 +105,7 @@ class Trainer:
             preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_loss_func=compute_loss_func,
             model_init=model_init, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         self.data_collator = data_collator or default_collator(self.processing_class) or default_data_collator
-        self._columns_removed: dict[int, tuple[Any, Any]] = {}
+        self._columns_removed: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.state = TrainerState()
         self.control = TrainerControl()
         self._handler = CallbackHandler(self._default_callbacks() + self.user_callbacks)

@@ -200,13 +200,20 @@ def reviews(n: int):
 def test_dataset_columns_the_model_does_not_take_are_dropped(tmp_path: Path) -> None:
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
+    class SeesTheTokenizer(hpsweep.TrainerCallback):  # as a pusher or the trial reporter would
+        saved = []
+
+        def on_save(self, args, state, control, checkpoint, **kwargs):
+            self.saved.append((Path(checkpoint) / "tokenizer.json").exists())
+
     tok = tokenizer()
     trainer = hpsweep.Trainer(model=BagOfWords(), args=args(tmp_path, save_strategy="epoch", num_train_epochs=3),
                               train_dataset=reviews(64), eval_dataset=reviews(32), processing_class=tok,
-                              compute_metrics=accuracy)
+                              compute_metrics=accuracy, callbacks=[SeesTheTokenizer()])
     assert isinstance(trainer.data_collator, DataCollatorWithPadding) and trainer.tokenizer is tok
     metrics = trainer.train().metrics  # "text" and "idx" would break padding and forward
     assert metrics["eval_accuracy"] > 0.6
+    assert SeesTheTokenizer.saved == [True, True, True]
     checkpoint = tmp_path / f"checkpoint-{trainer.state.global_step}"
     assert AutoTokenizer.from_pretrained(checkpoint)("good film")["input_ids"] == tok("good film")["input_ids"]
 
