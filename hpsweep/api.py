@@ -34,7 +34,10 @@ def run(space_file: str | Path, *, backend: str = "optuna", n_trials: int | None
         args = args.replace(output_dir=str(output_dir))
     trainer = Trainer(model_init=sf.model_init, args=args, train_dataset=sf.train_dataset,
                       eval_dataset=sf.eval_dataset, data_collator=sf.data_collator,
-                      compute_metrics=sf.compute_metrics, callbacks=sf.callbacks)
+                      compute_metrics=sf.compute_metrics, callbacks=sf.callbacks,
+                      processing_class=sf.processing_class,
+                      preprocess_logits_for_metrics=sf.preprocess_logits_for_metrics,
+                      compute_loss_func=sf.compute_loss_func)
     return trainer.hyperparameter_search(space=sf.space, hp_space=sf.hp_space if sf.space is None else None,
                                          n_trials=n_trials, direction=sf.direction, objective=sf.objective,
                                          backend=backend, hp_name=sf.hp_name,

@@ -1,6 +1,8 @@
 """`TrainingArguments`: the base arguments each trial's params are applied to.
 
-Field names follow Hugging Face's ``TrainingArguments`` so that code moves over unchanged.
+Field names and meanings follow Hugging Face's ``TrainingArguments`` so that code moves over
+with only the import changed; a ``transformers.TrainingArguments`` instance is converted by
+`as_training_arguments` (see ``hpsweep/hf.py``). A name we do not support is a `UserError`.
 
     >>> args = TrainingArguments(output_dir="out", num_train_epochs=3, learning_rate=1e-3)
     >>> apply_params(args, {"learning_rate": 0.01}).learning_rate
@@ -9,26 +11,64 @@ Field names follow Hugging Face's ``TrainingArguments`` so that code moves over 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import importlib.util
 import json
 import math
 import types
 import typing
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .errors import UserError, did_you_mean
 
 STRATEGIES = ("no", "steps", "epoch")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+#: ``optim`` names: Hugging Face's, ours, and torch.optim class names in any case ("RMSprop", "SGD").
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adamw_hf", "adam", "sgd", "adagrad", "rmsprop",
+              "adafactor", "adadelta", "adamax", "nadam", "radam", "rprop", "asgd")
 PRECISIONS = ("no", "fp16", "bf16")
+METRIC_INCLUDES = ("inputs", "loss")
+
+#: Names a user of transformers may pass that we refuse, with the fix (the rest get a generic one).
+HF_REFUSED = {
+    **dict.fromkeys(("hub_model_id", "hub_token", "hub_strategy", "hub_private_repo", "hub_always_push",
+                     "hub_revision", "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"),
+                    "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
+                    "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"),
+    "label_smoothing_factor": "compute the smoothed loss in the model or pass Trainer(compute_loss_func=...)",
+    "gradient_checkpointing": "call model.gradient_checkpointing_enable() in model_init",
+    "torch_compile": "compile the model in model_init (torch.compile(model))",
+    "no_cuda": "use use_cpu=True",
+    "deepspeed": "use --processes-per-trial N (accelerate data parallel)",
+    "fsdp": "use --processes-per-trial N (accelerate data parallel)",
+}
+
+
+class _ArgumentsMeta(type):
+    """Turns an unknown keyword (a dataclass' TypeError) into a one-line `UserError`."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        names = field_types(cls)
+        for name in kwargs:
+            if name not in names:
+                fix = HF_REFUSED.get(name, "remove it (README: 'Coming from Hugging Face' lists what is supported)")
+                raise UserError(f"TrainingArguments: {name!r} is not a field hpsweep supports"
+                                f"{did_you_mean(name, names)}; {fix}")
+        return super().__call__(*args, **kwargs)
 
 
 @dataclass
-class TrainingArguments:
-    """Arguments of one training run. Invalid values raise `UserError` on construction."""
+class TrainingArguments(metaclass=_ArgumentsMeta):
+    """Arguments of one training run. Invalid values raise `UserError` on construction.
+
+    Subclasses may add fields (``@dataclass class MyArgs(TrainingArguments): a: float = 0.0``);
+    a trial param naming one of them is set like any other field.
+    """
 
     output_dir: str = "hpsweep-output"
     # length of training
@@ -41,6 +81,8 @@ class TrainingArguments:
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
+    remove_unused_columns: bool = True
+    label_names: Optional[list] = None
     # optimizer
     optim: str = "adamw"
     learning_rate: float = 5e-5
@@ -53,7 +95,7 @@ class TrainingArguments:
     # schedule
     lr_scheduler_type: str = "linear"
     warmup_ratio: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: float = 0  # a value in (0, 1) is a ratio of the training steps, as in transformers 5
     # evaluation, checkpoints and logging
     eval_strategy: str = "epoch"
     eval_steps: Optional[int] = None
@@ -65,23 +107,66 @@ class TrainingArguments:
     metric_for_best_model: Optional[str] = None
     greater_is_better: Optional[bool] = None
     load_best_model_at_end: bool = False
+    include_for_metrics: list = field(default_factory=list)
     # reproducibility and hardware
     seed: int = 42
     mixed_precision: str = "no"
     fp16: bool = False
     bf16: bool = False
+    fp16_full_eval: bool = False
+    bf16_full_eval: bool = False
     use_cpu: bool = False
     disable_progress: bool = False
     run_name: Optional[str] = None
+    # Hugging Face names accepted for compatibility (README: "Coming from Hugging Face")
+    disable_tqdm: Optional[bool] = None  # the same as disable_progress
+    evaluation_strategy: Optional[str] = None  # transformers 4's name of eval_strategy
+    include_inputs_for_metrics: bool = False  # transformers 4's include_for_metrics=["inputs"]
+    report_to: Union[str, list, None] = "none"  # accepted; tracking is --mlflow, see README
+    logging_dir: Optional[str] = None  # accepted; hpsweep writes no TensorBoard logs
+    push_to_hub: bool = False  # True is refused: the sweep pushes its best run (--push-to-hub)
+    do_train: bool = False  # accepted and unused, as by transformers' Trainer
+    do_eval: bool = False
+    do_predict: bool = False
+    overwrite_output_dir: bool = False
 
     def __post_init__(self) -> None:
+        types_ = field_types(type(self))
+        for name in ("eval_steps", "save_steps", "logging_steps"):
+            value = getattr(self, name)
+            if isinstance(value, float) and 0 < value < 1:
+                raise UserError(f"{name}={value}: a fraction of the training steps is not supported; "
+                                "give a whole number of steps")
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _cast(f.name, getattr(self, f.name), _FIELD_TYPES[f.name]))
+            setattr(self, f.name, _cast(f.name, getattr(self, f.name), types_[f.name]))
+        self._resolve_aliases()
         if self.fp16 or self.bf16:
             if self.fp16 and self.bf16:
                 raise UserError("fp16=True and bf16=True: choose one mixed precision")
             self.mixed_precision = "fp16" if self.fp16 else "bf16"
+        self.optim = str(self.optim).lower()
+        if self.metric_for_best_model is not None:
+            if not self.metric_for_best_model.startswith("eval_"):  # transformers' rule: "accuracy" is eval_accuracy
+                self.metric_for_best_model = f"eval_{self.metric_for_best_model}"
+            if self.greater_is_better is None:
+                self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         self._check()
+
+    def _resolve_aliases(self) -> None:
+        """Fold Hugging Face's alternative names into ours; the alias then reads the same value."""
+        if self.evaluation_strategy is not None:
+            self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
+        if self.disable_tqdm is not None:
+            self.disable_progress = self.disable_tqdm
+        self.disable_tqdm = self.disable_progress
+        if isinstance(self.label_names, str):
+            self.label_names = [self.label_names]
+        if isinstance(self.report_to, (list, tuple)):
+            self.report_to = [str(r) for r in self.report_to]
+        self.include_for_metrics = list(self.include_for_metrics)
+        if self.include_inputs_for_metrics and "inputs" not in self.include_for_metrics:
+            self.include_for_metrics.append("inputs")
+        self.include_inputs_for_metrics = "inputs" in self.include_for_metrics
 
     def _check(self) -> None:
         _choice("eval_strategy", self.eval_strategy, STRATEGIES)
@@ -90,6 +175,23 @@ class TrainingArguments:
         _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         _choice("optim", self.optim, OPTIMIZERS)
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        if self.optim == "adafactor" and importlib.util.find_spec("transformers") is None:
+            raise UserError("optim='adafactor' is transformers' Adafactor; install it: pip install transformers")
+        if self.fp16_full_eval and self.bf16_full_eval:
+            raise UserError("fp16_full_eval=True and bf16_full_eval=True: choose one")
+        if self.push_to_hub:
+            raise UserError(f"push_to_hub=True: {HF_REFUSED['hub_model_id']}; leave push_to_hub=False")
+        for name in ("label_names", "include_for_metrics"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise UserError(f"{name}={value!r}: give a list of names, e.g. ['labels']")
+        for name in self.include_for_metrics:
+            _choice("include_for_metrics", name, METRIC_INCLUDES)
+        if not (self.report_to is None or isinstance(self.report_to, (str, list))):
+            raise UserError(f"report_to={self.report_to!r}: give 'none', 'all' or a list of integration names")
+        if self.report_to not in (None, "none", "all", ["none"], []):
+            warnings.warn(f"report_to={self.report_to!r} starts no integration in hpsweep; "
+                          "track runs with --mlflow (hpsweep.MLflowTracker)", stacklevel=3)
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise UserError(f"num_train_epochs={self.num_train_epochs}: train for > 0 epochs or set max_steps > 0")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -117,6 +219,17 @@ class TrainingArguments:
                 raise UserError("load_best_model_at_end=True needs checkpoints where evaluations are: "
                                 "match save_strategy to eval_strategy (and save_steps to a multiple of eval_steps)")
 
+    # --- Hugging Face's derived values ------------------------------------------------------------
+
+    @property
+    def train_batch_size(self) -> int:
+        """The batch size of one process (transformers multiplies by its DataParallel GPUs; we use none)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
     # --- construction from files and overrides ---------------------------------------------------
 
     @classmethod
@@ -127,27 +240,32 @@ class TrainingArguments:
 
     def replace(self, _source: str = "arguments", **changes: Any) -> TrainingArguments:
         """A copy with ``changes`` applied, each cast to its field's type and validated."""
-        unknown = [name for name in changes if name not in _FIELD_TYPES]
+        names = field_types(type(self))
+        unknown = [name for name in changes if name not in names]
         if unknown:
             name = unknown[0]
-            raise UserError(f"{_source}: {name!r} is not a TrainingArguments field{did_you_mean(name, _FIELD_TYPES)}")
+            raise UserError(f"{_source}: {name!r} is not a TrainingArguments field{did_you_mean(name, names)}")
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(changes)
         if "mixed_precision" in changes and not {"fp16", "bf16"} & set(changes):
             values["fp16"] = values["bf16"] = False
+        for alias, (canonical, unset) in _ALIASES.items():  # a change to ours wins over the alias' old value
+            if canonical in changes and alias not in changes:
+                values[alias] = unset
         return type(self)(**values)
 
     def with_overrides(self, assignments: list[str]) -> TrainingArguments:
         """Apply ``--set key=value`` strings; values are read as YAML scalars (``1e-3``, ``true``)."""
         import yaml
 
+        types_ = field_types(type(self))
         changes: dict[str, Any] = {}
         for item in assignments:
             key, sep, raw = item.partition("=")
             if not sep or not key.strip():
                 raise UserError(f"--set {item!r}: write it as key=value, e.g. --set learning_rate=1e-3")
             key = key.strip()
-            if _FIELD_TYPES.get(key) in (str, Optional[str]) and raw.strip():
+            if types_.get(key) in (str, Optional[str]) and raw.strip():
                 changes[key] = raw  # YAML would read save_strategy=no as False
                 continue
             try:
@@ -162,13 +280,29 @@ class TrainingArguments:
     # --- derived values used by the trainer ---------------------------------------------------
 
     def warmup_for(self, total_steps: int) -> int:
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(total_steps * self.warmup_ratio)
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps if self.warmup_steps > 0 else self.warmup_ratio
+        return math.ceil(total_steps * ratio)
 
 
-_FIELD_TYPES: dict[str, Any] = {
-    name: hint for name, hint in typing.get_type_hints(TrainingArguments).items()
-    if name in {f.name for f in dataclasses.fields(TrainingArguments)}
-}
+#: alias -> (our field, the alias' unset value): Hugging Face names for the same setting.
+_ALIASES = {"disable_tqdm": ("disable_progress", None), "evaluation_strategy": ("eval_strategy", None),
+            "include_inputs_for_metrics": ("include_for_metrics", False)}
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> type hint of a `TrainingArguments` class (subclasses' extra fields included)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a subclass annotating with names we cannot resolve: cast what we can
+        hints = {}
+    return {name: hints.get(name, Any) for name in names}
+
+
+_FIELD_TYPES = field_types(TrainingArguments)
 FIELD_NAMES = frozenset(_FIELD_TYPES)
 
 
@@ -201,12 +335,13 @@ def apply_params(args: TrainingArguments, params: Mapping[str, Any], *, model_ta
     Params that are not fields are model hyperparameters, read by ``model_init(trial)``. When
     ``model_init`` takes no trial nobody could read them, so they are an error.
     """
-    field_params = {k: v for k, v in params.items() if k in FIELD_NAMES}
-    others = [k for k in params if k not in FIELD_NAMES]
+    names = field_types(type(args))
+    field_params = {k: v for k, v in params.items() if k in names}
+    others = [k for k in params if k not in names]
     if others and not model_takes_trial:
         name = others[0]
         raise UserError(
-            f"{source}: {name!r} is not a TrainingArguments field{did_you_mean(name, FIELD_NAMES)}, and "
+            f"{source}: {name!r} is not a TrainingArguments field{did_you_mean(name, names)}, and "
             "model_init() takes no trial to read it; fix the name or define model_init(trial)"
         )
     if "output_dir" in field_params:
@@ -225,11 +360,17 @@ def _positive(name: str, value: float) -> None:
 
 
 def _cast(name: str, value: Any, hint: Any) -> Any:
-    """Cast ``value`` to the field type ``hint`` (int, float, bool, str, Optional[...])."""
+    """Cast ``value`` to the field type ``hint`` (int, float, bool, str, Optional[...]); other
+    types (lists, a subclass' own types) are kept as they are."""
+    if isinstance(value, enum.Enum):  # transformers' IntervalStrategy.EPOCH, SchedulerType.LINEAR, ...
+        value = value.value
     optional = False
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [h for h in typing.get_args(hint) if h is not type(None)]
-        optional, hint = True, members[0]
+        optional = len(members) < len(typing.get_args(hint))
+        hint = members[0] if len(members) == 1 else Any
+    if hint not in (bool, int, float, str):
+        return value
     if value is None:
         if optional:
             return None
@@ -263,7 +404,7 @@ def _cast(name: str, value: Any, hint: Any) -> Any:
                 pass
     elif hint is str:
         if isinstance(value, str):
-            return value
+            return str(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     raise UserError(f"{name}={value!r} is not a valid {hint.__name__}")

@@ -1,24 +1,55 @@
-"""The optimizer and learning-rate schedule a run's `TrainingArguments` ask for."""
+"""The optimizer and learning-rate schedule a run's `TrainingArguments` ask for.
+
+``optim`` takes Hugging Face's names (``adamw_torch``, ``adamw_torch_fused``, ``adamw_hf``,
+``adafactor``, ``sgd``, ``adagrad``, ``rmsprop``), ours (``adamw``, ``adam``) and torch.optim's
+class names in any case (``"RMSprop"``, ``"SGD"``, ``"Adam"``, as Optuna's examples write them).
+"""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .arguments import TrainingArguments
+from .errors import UserError
+
+#: optim name -> torch.optim class name; each gets the arguments below that it takes.
+_TORCH_CLASSES = {
+    "adamw": "AdamW", "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adamw_hf": "AdamW",
+    "adam": "Adam", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop", "adadelta": "Adadelta",
+    "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "rprop": "Rprop", "asgd": "ASGD",
+}
+_ADAM_LIKE = {"AdamW", "Adam", "Adamax", "NAdam", "RAdam"}
 
 
 def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    """AdamW / Adam / SGD over the trainable params; no weight decay on biases and norms."""
+    """``args.optim`` over the trainable params; no weight decay on biases and norms."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if args.optim == "sgd":
-        return torch.optim.SGD(groups, lr=args.learning_rate, momentum=args.momentum)
-    cls = torch.optim.AdamW if args.optim == "adamw" else torch.optim.Adam
-    return cls(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    if args.optim == "adafactor":
+        return _adafactor(groups, args)
+    cls_name = _TORCH_CLASSES[args.optim]
+    kwargs: dict[str, Any] = {"lr": args.learning_rate}
+    if cls_name in _ADAM_LIKE:
+        kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    elif cls_name in ("SGD", "RMSprop"):
+        kwargs["momentum"] = args.momentum
+    if args.optim == "adamw_torch_fused":
+        kwargs["fused"] = True
+    return getattr(torch.optim, cls_name)(groups, **kwargs)
+
+
+def _adafactor(groups: list[dict[str, Any]], args: TrainingArguments) -> torch.optim.Optimizer:
+    """transformers' Adafactor with an external learning rate, as its Trainer builds it."""
+    try:
+        from transformers.optimization import Adafactor
+    except ImportError:
+        raise UserError("optim='adafactor' is transformers' Adafactor; install it: pip install transformers") from None
+    return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,

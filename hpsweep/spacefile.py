@@ -1,4 +1,9 @@
-"""Loading a space file: a Python module whose top-level names describe a sweep."""
+"""Loading a space file: a Python module whose top-level names describe a sweep.
+
+``args`` may be a ``transformers.TrainingArguments`` (converted by field name). An ``objective``
+that is a function of a trial, as Optuna's examples define ``objective(trial)``, is refused with
+the fix (rename it): hpsweep trains each trial itself, and its objective reads the metrics.
+"""
 from __future__ import annotations
 
 import importlib.util
@@ -10,10 +15,12 @@ from typing import Any, Callable
 
 from .arguments import TrainingArguments
 from .errors import UserError, did_you_mean
+from .hf import as_training_arguments
+from .objective import check_objective
 
 REQUIRED = ("model_init", "args", "train_dataset")
 OPTIONAL = ("space", "hp_space", "eval_dataset", "compute_metrics", "objective", "direction", "data_collator",
-            "callbacks", "hp_name")
+            "callbacks", "hp_name", "processing_class", "preprocess_logits_for_metrics", "compute_loss_func")
 
 
 @dataclass
@@ -34,6 +41,9 @@ class SpaceFile:
     data_collator: Callable[..., Any] | None = None
     callbacks: list[Any] = field(default_factory=list)
     hp_name: Callable[..., str] | None = None
+    processing_class: Any = None
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    compute_loss_func: Callable[..., Any] | None = None
 
 
 def load_space_file(path: str | Path) -> SpaceFile:
@@ -76,7 +86,7 @@ def load_space_file(path: str | Path) -> SpaceFile:
     if "space" not in names and "hp_space" not in names:
         raise UserError(f"{path}: the space file defines neither 'space' nor 'hp_space'"
                         f"{did_you_mean('space', defined)}; add space = {{'learning_rate': hpsweep.Float(1e-4, 1e-1)}}")
-    if not isinstance(names["args"], TrainingArguments):
-        raise UserError(f"{path}: args is a {type(names['args']).__name__}; use args = hpsweep.TrainingArguments(...)")
+    names["args"] = as_training_arguments(names["args"], f"{path}: args")  # a transformers.TrainingArguments too
+    check_objective(names.get("objective"), f"{path}: objective")
     callbacks = names.pop("callbacks", [])
     return SpaceFile(path=path, module=module, callbacks=list(callbacks), **names)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runs
-from .arguments import FIELD_NAMES, TrainingArguments, apply_params
+from .arguments import TrainingArguments, apply_params, field_types
 from .backends import SearchSettings, TrialFailed, get_backend
 from .callbacks import TrainerCallback, TrialReporter, metric_value
 from .errors import TrialPruned, UserError
@@ -278,10 +278,11 @@ def normalise_directions(direction: str | Sequence[str]) -> list[str]:
 
 def check_space_against_args(space: Mapping[str, Any], args: TrainingArguments, model_takes_trial: bool) -> None:
     """Every name is placed and every bound is a valid value for its field, before trial 0."""
-    apply_params(args, {name: None for name in space if name not in FIELD_NAMES}, model_takes_trial=model_takes_trial,
+    fields = field_types(type(args))  # a subclass's extra fields are fields too
+    apply_params(args, {name: None for name in space if name not in fields}, model_takes_trial=model_takes_trial,
                  source="space")
     for name, dist in space.items():
-        if name not in FIELD_NAMES:
+        if name not in fields:
             continue
         values = dist.choices if isinstance(dist, Categorical) else (dist.low, dist.high)
         for value in values:
@@ -306,6 +307,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     """
     from .loop import TrialLoop
     from .modelinit import model_init_arity
+    from .objective import resolve_objective
 
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
@@ -316,8 +318,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if space is not None:
         space = validate_space(space)
         check_space_against_args(space, trainer.args, takes_trial)
-    if objective is None:
-        objective = "eval_loss"
+    objective = resolve_objective(objective, directions, trainer.compute_metrics)  # HF's default; says which
     if len(directions) > 1 and isinstance(objective, str):
         raise UserError(f"{len(directions)} directions need an objective function returning {len(directions)} values")
     if isinstance(objective, str) and not objective.startswith("eval_"):

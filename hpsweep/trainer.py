@@ -29,11 +29,15 @@ from .callbacks import (
     TrainerControl,
     TrainerState,
 )
-from .data import batch_labels, batch_size, resolve_dataset
+from .data import (Collator, default_data_collator, is_hf_dataset, label_names_for, remove_unused_columns,
+                   resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
+from .hf import as_training_arguments, default_collator, save_processing_class, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
+from .predictions import (PredictionCollector, call_model, describe, evaluation_loop, full_eval_precision,
+                          ignore_keys_for, loss_of)
 
 
 class TrainOutput(NamedTuple):
@@ -45,42 +49,69 @@ class TrainOutput(NamedTuple):
 class Trainer:
     """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
 
+    The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
+    works with the import changed (README: "Coming from Hugging Face").
+
     Args:
-        model: a model to train (or give ``model_init`` to build a fresh one per run).
-        args: the `TrainingArguments`.
-        train_dataset / eval_dataset: torch Datasets, or 0-argument factories returning one.
-        data_collator: turns a list of samples into a batch (torch's ``default_collate`` if None).
+        model / model_init: the model to train, or ``() -> nn.Module`` / ``(trial) -> nn.Module``
+            building a fresh one for every run (with both, ``train`` uses ``model_init``).
+        args: our `TrainingArguments`, or a ``transformers.TrainingArguments`` (converted).
+        data_collator: list of samples -> batch; by default ``DataCollatorWithPadding`` when
+            ``processing_class`` is a tokenizer, else transformers' ``default_data_collator`` rule.
+        train_dataset / eval_dataset: torch or ``datasets`` Datasets, or 0-argument factories.
+        processing_class (or ``tokenizer``): saved beside the weights in every checkpoint.
+        compute_loss_func: ``(outputs, labels, num_items_in_batch=None) -> loss``.
         compute_metrics: ``EvalPrediction -> dict[str, float]``; keys are prefixed ``eval_``.
         callbacks: extra `TrainerCallback` instances.
-        model_init: ``() -> nn.Module`` or ``(trial) -> nn.Module``, called for every run.
         optimizers: an ``(optimizer, scheduler)`` pair to use instead of building them from args.
+        preprocess_logits_for_metrics: ``(logits, labels) -> logits`` per evaluation batch.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
-                 train_dataset: Any = None, eval_dataset: Any = None, data_collator: Callable | None = None,
+    def __init__(self, model: torch.nn.Module | None = None, args: Any = None, data_collator: Callable | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 model_init: Callable[..., torch.nn.Module] | None = None,
+                 compute_loss_func: Callable[..., Any] | None = None,
                  compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None = None,
                  callbacks: Sequence[TrainerCallback] | None = None,
-                 model_init: Callable[..., torch.nn.Module] | None = None,
-                 optimizers: tuple[Any, Any] = (None, None)) -> None:
+                 optimizers: tuple[Any, Any] = (None, None),
+                 preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None, *,
+                 tokenizer: Any = None, optimizer_cls_and_kwargs: Any = None) -> None:
         if model is None and model_init is None:
             raise UserError("Trainer needs a model or a model_init")
         if model_init is not None:
             model_init_arity(model_init)
-        if args is not None and not isinstance(args, TrainingArguments):
-            raise UserError(f"args is a {type(args).__name__}; pass hpsweep.TrainingArguments(...)")
-        self.args = args or TrainingArguments()
+        self.args = as_training_arguments(args, "Trainer(args=...)") if args is not None else TrainingArguments()
         self.model = model
         self.model_init = model_init
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        self.data_collator = data_collator
         self.compute_metrics = compute_metrics
-        self.user_callbacks = list(callbacks or [])
         self.optimizers = optimizers
+        # They ride with the callbacks, so that every trial's trainer gets them (hf.HFComponents).
+        self._components, self.user_callbacks = trainer_components(
+            list(callbacks or []), processing_class=processing_class, tokenizer=tokenizer,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_loss_func=compute_loss_func,
+            model_init=model_init, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
+        self.data_collator = data_collator or default_collator(self.processing_class) or default_data_collator
+        self._columns_removed: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.state = TrainerState()
         self.control = TrainerControl()
         self._handler = CallbackHandler(self._default_callbacks() + self.user_callbacks)
         self._handler.fire("on_init_end", self.args, self.state, self.control)
+
+    @property
+    def processing_class(self) -> Any:
+        return self._components.processing_class
+
+    tokenizer = processing_class  # transformers 4's name
+
+    @property
+    def preprocess_logits_for_metrics(self) -> Callable[[Any, Any], Any] | None:
+        return self._components.preprocess_logits_for_metrics
+
+    @property
+    def compute_loss_func(self) -> Callable[..., Any] | None:
+        return self._components.compute_loss_func
 
     def _default_callbacks(self) -> list[TrainerCallback]:
         return [] if self.args.disable_progress else [ProgressCallback()]
@@ -112,9 +143,20 @@ class Trainer:
             raise UserError(f"mixed_precision={self.args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU") from None
 
     def _dataloader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
+        """A loader whose batches hold only what the model takes (``remove_unused_columns``)."""
         dataset = resolve_dataset(dataset)
+        what = "train_dataset" if shuffle else "eval_dataset"
+        columns = signature_columns(self.model, self.args.label_names) if self.args.remove_unused_columns else None
+        if columns is not None and self.compute_loss_func is not None:
+            columns.append("labels")  # compute_loss_func takes them, even when the forward does not
+        if is_hf_dataset(dataset):
+            key = (id(dataset), tuple(columns or ()))
+            if key not in self._columns_removed:  # a datasets.Dataset without them, made once per dataset
+                self._columns_removed[key] = (dataset, remove_unused_columns(dataset, columns, self.model, what))
+            dataset, columns = self._columns_removed[key][1], None
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
-                          collate_fn=self.data_collator, drop_last=self.args.dataloader_drop_last and shuffle,
+                          collate_fn=Collator(self.data_collator, columns, what),
+                          drop_last=self.args.dataloader_drop_last and shuffle,
                           num_workers=self.args.dataloader_num_workers,
                           pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
                           generator=torch.Generator().manual_seed(self.args.seed) if shuffle else None)
@@ -262,39 +304,50 @@ class Trainer:
 
     def _track_best(self, metrics: Mapping[str, float]) -> None:
         args = self.args
-        if args.metric_for_best_model is None:
+        # transformers' rule: load_best_model_at_end without a metric keeps the lowest eval_loss
+        metric = args.metric_for_best_model or ("eval_loss" if args.load_best_model_at_end else None)
+        if metric is None:
             return
         from .callbacks import metric_value
 
-        value = metric_value(metrics, args.metric_for_best_model, "metric_for_best_model")
+        value = metric_value(metrics, metric, "metric_for_best_model")
         if not self.control.should_save:  # the best is a checkpoint: only evaluations that get one count
             return
-        if runs.is_better(value, self.state.best_metric, "maximize" if args.greater_is_better else "minimize"):
+        greater = bool(args.greater_is_better) and args.metric_for_best_model is not None
+        if runs.is_better(value, self.state.best_metric, "maximize" if greater else "minimize"):
             self.state.best_metric = value
             self.state.best_model_checkpoint = str(self._checkpoint_dir())
 
     # --- the loss -----------------------------------------------------------------------------------
 
-    def compute_loss(self, model: torch.nn.Module, batch: Any, return_outputs: bool = False) -> Any:
-        """``model(**batch)`` or ``model(*batch)``; the output is the loss, or has ``loss``."""
-        outputs = model(**batch) if isinstance(batch, Mapping) else (
-            model(*batch) if isinstance(batch, (list, tuple)) else model(batch))
-        if isinstance(outputs, torch.Tensor):
-            loss, logits = outputs, None
-        elif isinstance(outputs, Mapping):
-            loss, logits = outputs.get("loss"), outputs.get("logits")
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The loss of one batch, as transformers reads it: the model's output itself (a tensor), its
+        ``loss`` (a dict or ``ModelOutput``) or its first element (a tuple); or
+        ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` with the labels taken out of
+        the batch first. With ``return_outputs``, ``(loss, outputs)``."""
+        labels = None
+        if self.compute_loss_func is not None:
+            inputs, labels = split_labels(inputs)
+        outputs = call_model(model, inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
-            loss, logits = getattr(outputs, "loss", None), getattr(outputs, "logits", None)
+            loss = loss_of(outputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise UserError(f"the model's forward returned {type(outputs).__name__} without a scalar loss; return "
-                            "the loss tensor or {'loss': loss, 'logits': logits} (pass labels in the batch)")
+            raise UserError(f"the model returned {describe(outputs)} without a scalar loss; put the labels in the batch "
+                            "(a 'labels' column, or name them with label_names), return the loss first, or pass "
+                            "compute_loss_func=")
         loss = loss.reshape(())
-        return (loss, logits) if return_outputs else loss
+        return (loss, outputs) if return_outputs else loss
 
     # --- evaluation ---------------------------------------------------------------------------------
 
-    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
-        """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics."""
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None) -> dict[str, float]:
+        """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics.
+
+        ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
+        (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise UserError("no eval_dataset to evaluate on; give the Trainer an eval_dataset, or set "
@@ -307,31 +360,19 @@ class Trainer:
             self.model_wrapped = acc.prepare(self.model)
         model = self.model_wrapped
         dl = acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size, shuffle=False))
-        want_predictions = self.compute_metrics is not None or self._handler.needs_predictions()
-        total_loss, count, logits_all, labels_all = 0.0, 0, [], []
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            for batch in dl:
-                loss, logits = self.compute_loss(model, batch, return_outputs=True)
-                size = batch_size(batch)
-                total_loss += float(loss) * size
-                count += size
-                if want_predictions and logits is not None:
-                    logits_all.append(acc.gather_for_metrics(logits).float().cpu().numpy())
-                    labels = batch_labels(batch)
-                    if labels is not None:
-                        labels_all.append(acc.gather_for_metrics(labels).cpu().numpy())
-        model.train(was_training)
-        metrics: dict[str, float] = {"eval_loss": total_loss / max(count, 1)}
-        prediction = None
-        if logits_all:
-            prediction = EvalPrediction(np.concatenate(logits_all),
-                                        np.concatenate(labels_all) if labels_all else None)
+        unwrapped = acc.unwrap_model(model)
+        collector = PredictionCollector(
+            acc, model=unwrapped, enabled=self.compute_metrics is not None or self._handler.needs_predictions(),
+            label_names=label_names_for(unwrapped, self.args.label_names), loss_inside=self.compute_loss_func is None,
+            ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped),
+            preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
+        loss = evaluation_loop(model, dl, self.compute_loss, collector, full_eval_precision(self.args, acc.device))
+        metrics: dict[str, float] = {"eval_loss": loss}
+        prediction = collector.result()
         if self.compute_metrics is not None:
             if prediction is None:
-                raise UserError("compute_metrics needs predictions, but the model's output has no logits; "
-                                "return {'loss': ..., 'logits': ...} from forward")
+                raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
+                                "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
             computed = self.compute_metrics(prediction)
             if not isinstance(computed, Mapping):
                 raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
@@ -373,11 +414,12 @@ class Trainer:
         return final
 
     def save_model(self, output_dir: str | Path) -> None:
-        """Weights only (safetensors, plus config.json for Hugging Face models)."""
+        """Weights only (safetensors, plus config.json for Hugging Face models) and the processing class."""
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model_wrapped) if hasattr(self, "accelerator") else self.model
         runs.save_weights(model, output_dir)
+        save_processing_class(self.processing_class, output_dir)
 
     def _resolve_checkpoint(self, resume: str | bool | None) -> Path | None:
         if not resume:
@@ -408,21 +450,26 @@ class Trainer:
     def hyperparameter_search(self, space: Mapping[str, Any] | None = None, n_trials: int | None = 20,
                               direction: str | Sequence[str] = "minimize",
                               objective: str | Callable[[Mapping[str, float]], Any] | None = None,
-                              backend: str = "optuna", hp_name: Callable[[Any], str] | None = None,
+                              backend: str | None = "optuna", hp_name: Callable[[Any], str] | None = None,
                               hp_space: Callable[[Any], dict[str, Any]] | None = None,
                               compute_objective: Callable[[Mapping[str, float]], Any] | None = None,
                               **backend_options: Any) -> Any:
         """Search ``space`` (or define-by-run ``hp_space``) with ``backend``; returns the `BestRun`
         (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
         ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
-        ``resume``, ``address``, ``resources_per_trial``, ``sweep_callbacks``."""
+        ``resume``, ``address``, ``resources_per_trial``, ``sweep_callbacks``.
+
+        transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
+        Optuna), and so does its first positional parameter, ``hp_space``."""
         from .sweep import search
 
+        if callable(space) and hp_space is None:  # transformers' first parameter is hp_space
+            space, hp_space = None, space
         if self.model_init is None:
             raise UserError("hyperparameter_search needs Trainer(model_init=...) to build a fresh model per trial")
         return search(self, space=space, hp_space=hp_space, n_trials=n_trials, direction=direction,
                       objective=objective if objective is not None else compute_objective,
-                      backend=backend, hp_name=hp_name, **backend_options)
+                      backend=backend or "optuna", hp_name=hp_name, **backend_options)
 
 
 # --- helpers -------------------------------------------------------------------------------------------

@@ -3,10 +3,17 @@
 A backend hands the trainer a `Trial`; the trainer reads ``trial.params``, reports each
 evaluation with `Trial.report` and asks `Trial.should_prune`. It never learns which backend
 it runs under. Backends subclass `Trial` in their own module.
+
+A `Trial` also reads like the params dict that Hugging Face's Trainer hands ``model_init`` and
+``hp_name`` on Ray and W&B, so that code moves over unchanged:
+
+    >>> trial = Trial(0, {"lr": 0.1})
+    >>> trial["lr"], "lr" in trial, trial.get("dropout", 0.2), dict(trial.items())
+    (0.1, True, 0.2, {'lr': 0.1})
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from typing import Any
 
 from .errors import UserError
@@ -64,5 +71,45 @@ class Trial:
             f"cannot sample define-by-run; declare {name!r} in `space` or use --backend optuna"
         )
 
+    # Read like the params dict (not a Mapping subclass: a trial is never mistaken for a space).
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.params:
+            raise MissingParam(f"trial[{name!r}]: the trial has no param {name!r} (it has: "
+                               f"{', '.join(self.params) or 'none'}); declare it in the space, or read it "
+                               f"with trial.get({name!r}, default)")
+        return self.params[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.params
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __bool__(self) -> bool:  # `if trial:` means "is there a trial", even before any param exists
+        return True
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.params.get(name, default)
+
+    def keys(self) -> KeysView[str]:
+        return self.params.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.params.items()
+
+    def values(self) -> ValuesView[Any]:
+        return self.params.values()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(number={self.number}, params={self.params})"
+
+
+class MissingParam(UserError, KeyError):
+    """``trial[name]`` for a param the trial does not have: a user error, and a KeyError for
+    code that catches one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])

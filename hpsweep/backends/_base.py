@@ -106,13 +106,18 @@ class Backend(abc.ABC):
         if settings.n_jobs > 1 and not self.parallel:
             raise UserError(f"--n-jobs {settings.n_jobs}: the {self.name} backend runs one trial at a time; drop --n-jobs")
 
-    def _check_choice(self, what: str, value: str | None, allowed: Sequence[str]) -> None:
-        if value is None:
+    def _check_choice(self, what: str, value: Any, allowed: Sequence[str]) -> None:
+        if value is None or (not isinstance(value, str) and self._takes_object(what, value)):
             return
         if not allowed:
             raise UserError(f"--{what} {value}: the {self.name} backend has no {what}s; drop --{what}")
         if value not in allowed:
             raise UserError(f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend")
+
+    def _takes_object(self, what: str, value: Any) -> bool:
+        """Whether ``value`` is a ready-made sampler / pruner / scheduler object the backend uses as
+        it is (Hugging Face users pass ``sampler=optuna.samplers.TPESampler(...)``)."""
+        return False
 
     def open(self, worker: int = 0) -> None:
         """Connect to the backend's records (a study, a sweep); called in the process that asks

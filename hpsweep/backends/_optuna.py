@@ -76,7 +76,7 @@ class OptunaBackend(Backend):
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
-        if (settings.sampler or "tpe") == "grid":
+        if settings.sampler == "grid":
             if settings.space is None:
                 raise UserError("--sampler grid needs a `space` dict (a grid cannot be define-by-run)")
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
@@ -86,8 +86,17 @@ class OptunaBackend(Backend):
 
     # --- the pieces Optuna provides -------------------------------------------------------------------
 
+    def _takes_object(self, what: str, value: Any) -> bool:
+        kinds = {"sampler": optuna.samplers.BaseSampler, "pruner": optuna.pruners.BasePruner}
+        if what in kinds and not isinstance(value, kinds[what]):
+            raise UserError(f"{what}={value!r} is neither a name nor an optuna.{what}s.Base{what.title()}; "
+                            f"give one of {', '.join(self.samplers if what == 'sampler' else self.pruners)}")
+        return what in kinds
+
     def _sampler(self, stream: int) -> optuna.samplers.BaseSampler:
         s = self.settings
+        if isinstance(s.sampler, optuna.samplers.BaseSampler):
+            return s.sampler
         seed = None if s.seed is None else s.seed + stream
         name = s.sampler or "tpe"
         if name == "tpe":
@@ -103,6 +112,8 @@ class OptunaBackend(Backend):
         return optuna.samplers.NSGAIISampler(seed=seed)
 
     def _pruner(self) -> optuna.pruners.BasePruner:
+        if isinstance(self.settings.pruner, optuna.pruners.BasePruner):
+            return self.settings.pruner
         name = self.settings.pruner or "median"
         if name == "median":
             return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
@@ -168,7 +179,7 @@ class OptunaBackend(Backend):
         s = self.settings
         if again is not None:  # the same params again, as a new Optuna trial (the cut-short one is FAIL)
             study.enqueue_trial(again.params, user_attrs={"hpsweep_again": again.id}, skip_if_exists=False)
-        elif (s.sampler or "tpe") == "grid" and self._grid_done(study):
+        elif self._grid_done(study):
             return None
         trial = OptunaTrial(study.ask(), s.multi_objective, number=None if again is None else again.number)
         if again is not None:

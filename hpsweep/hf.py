@@ -1,0 +1,166 @@
+"""Glue for users of Hugging Face ``transformers``: their ``TrainingArguments`` instances, and the
+Trainer arguments that travel with a model (``processing_class``, ``preprocess_logits_for_metrics``,
+``compute_loss_func``). transformers is imported only when one of these is used.
+
+    >>> args = as_training_arguments(transformers.TrainingArguments("out", learning_rate=1e-3))
+    >>> args.learning_rate, type(args).__module__
+    (0.001, 'hpsweep.arguments')
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .arguments import HF_REFUSED, TrainingArguments, field_types
+from .callbacks import TrainerCallback
+from .errors import UserError
+
+#: transformers fields that change nothing hpsweep computes (logging, infrastructure, knobs its
+#: Trainer ignores too); any value is accepted and dropped. Other fields of theirs we lack are
+#: refused when set to a value other than transformers' default.
+IGNORED_FIELDS = frozenset({
+    "log_level", "log_level_replica", "log_on_each_node", "logging_first_step", "logging_nan_inf_filter",
+    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "skip_memory_metrics",
+    "save_on_each_node", "save_safetensors", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "dataloader_in_order", "ddp_timeout", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
+    "ddp_broadcast_buffers", "ddp_backend", "local_rank", "resume_from_checkpoint", "hub_token",
+    "eval_accumulation_steps", "tf32", "torch_empty_cache_steps", "include_num_input_tokens_seen",
+    "restore_callback_states_from_checkpoint", "use_cache", "accelerator_config", "debug",
+    "activation_checkpointing", "gradient_checkpointing", "past_index", "use_legacy_prediction_loop",
+})
+
+
+def is_transformers_args(obj: Any) -> bool:
+    """Whether ``obj`` is a ``transformers.TrainingArguments`` (without importing transformers)."""
+    return any(c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers")
+               for c in type(obj).__mro__)
+
+
+def as_training_arguments(obj: Any, where: str = "args") -> TrainingArguments:
+    """Ours as it is; a transformers instance converted by field name; anything else refused."""
+    if isinstance(obj, TrainingArguments):
+        return obj
+    if is_transformers_args(obj):
+        return from_transformers_args(obj, where)
+    raise UserError(f"{where} is a {type(obj).__name__}; use hpsweep.TrainingArguments(...) "
+                    "(or a transformers.TrainingArguments)")
+
+
+def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArguments:
+    """Our `TrainingArguments` with every field of ``hf_args`` that we share.
+
+    A field of theirs that we lack is refused in one line when it differs from transformers'
+    default (their Trainer would act on it, ours cannot), unless it is in `IGNORED_FIELDS`.
+    """
+    ours = field_types(TrainingArguments)
+    reference = _reference_args(type(hf_args).__mro__, str(hf_args.output_dir))
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(hf_args):
+        name, value = f.name, getattr(hf_args, f.name)
+        default = getattr(reference, name, _field_default(f))
+        if name in ours:
+            if name == "report_to" and _same(value, default):
+                continue  # transformers 4 expands its default "all" to whatever is installed
+            values[name] = value
+        elif name not in IGNORED_FIELDS and not _same(value, default):
+            fix = HF_REFUSED.get(name, f"leave it at its default ({default!r}) or set the fields of "
+                                       "hpsweep.TrainingArguments instead")
+            raise UserError(f"{where}: transformers.TrainingArguments sets {name}={value!r}, which hpsweep "
+                            f"does not support; {fix}")
+    try:
+        return TrainingArguments(**values)
+    except UserError as exc:
+        raise UserError(f"{where} (a transformers.TrainingArguments): {exc}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_args(mro: tuple[type, ...], output_dir: str) -> Any:
+    """transformers' own defaults, after its __post_init__ derived what it derives."""
+    base = next(c for c in mro if c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers"))
+    return base(output_dir=output_dir)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+# --- what travels with the model ----------------------------------------------------------------
+
+class HFComponents(TrainerCallback):
+    """The Trainer arguments Hugging Face users pass beside the model.
+
+    It rides along with the user's callbacks, so the trainer of every trial (in this process or
+    on a Ray worker) gets the same ones, and it saves ``processing_class`` into each checkpoint
+    right after the weights are written, so ``best/`` loads with ``AutoTokenizer.from_pretrained``.
+    It is the first of the user's callbacks, so the reporter and pushers see the tokenizer there.
+    """
+
+    def __init__(self, processing_class: Any = None,
+                 preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+                 compute_loss_func: Callable[..., Any] | None = None) -> None:
+        self.processing_class = processing_class
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.compute_loss_func = compute_loss_func
+
+    def on_save(self, args: Any, state: Any, control: Any, *, checkpoint: str, **kwargs: Any) -> None:
+        save_processing_class(self.processing_class, Path(checkpoint))
+
+
+def trainer_components(callbacks: list[Any], *, processing_class: Any, tokenizer: Any,
+                       preprocess_logits_for_metrics: Any, compute_loss_func: Any, model_init: Any,
+                       optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any) -> tuple[HFComponents, list[Any]]:
+    """Check the transformers-only Trainer arguments; returns the `HFComponents` (merged with one
+    found among ``callbacks``, as a trial's trainer receives it) and the callbacks to keep."""
+    if model_init is not None and any(o is not None for o in optimizers):
+        raise UserError("optimizers=(...) with model_init: each run builds a new model the optimizer does not "
+                        "hold; set optim= in TrainingArguments, or pass model= instead of model_init")
+    if optimizer_cls_and_kwargs is not None:
+        raise UserError("optimizer_cls_and_kwargs is not supported; set optim= (e.g. 'adamw_torch', 'sgd') in "
+                        "TrainingArguments, or pass optimizers=(optimizer, None) with a model")
+    if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
+        raise UserError("Trainer got both tokenizer= and processing_class=; pass the tokenizer once, as "
+                        "processing_class=")
+    carried = next((cb for cb in callbacks if isinstance(cb, HFComponents)), HFComponents())
+    components = HFComponents(
+        processing_class=_first(processing_class, tokenizer, carried.processing_class),
+        preprocess_logits_for_metrics=_first(preprocess_logits_for_metrics, carried.preprocess_logits_for_metrics),
+        compute_loss_func=_first(compute_loss_func, carried.compute_loss_func))
+    kept = [cb for cb in callbacks if not isinstance(cb, HFComponents)]
+    if any(v is not None for v in vars(components).values()):
+        kept.insert(0, components)  # first: the tokenizer is in a checkpoint before others see on_save
+    return components, kept
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def save_processing_class(processing_class: Any, folder: Path) -> None:
+    """Write a tokenizer / processor beside the weights (its own ``save_pretrained`` files)."""
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(str(folder))
+
+
+def default_collator(processing_class: Any) -> Callable[[list], Any] | None:
+    """transformers' rule: a tokenizer or feature extractor pads with ``DataCollatorWithPadding``."""
+    if processing_class is None:
+        return None
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, SequenceFeatureExtractor
+
+    if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
+        return DataCollatorWithPadding(processing_class)
+    return None

@@ -1,0 +1,186 @@
+"""What a model returns, read as Hugging Face's Trainer reads it, and the predictions gathered for
+``compute_metrics``.
+
+The loss is the output itself (a tensor), its ``loss`` (a dict or ``ModelOutput``) or its first
+element (a ``(loss, logits, ...)`` tuple). The predictions are everything else it returned: one
+array, or a tuple of arrays when there are several, as transformers passes them to
+``compute_metrics``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .callbacks import EvalPrediction
+from .data import batch_labels, batch_size
+
+
+class HFEvalPrediction(EvalPrediction):
+    """An `EvalPrediction` with transformers' ``inputs`` and ``losses`` (``include_for_metrics``)."""
+
+    def __new__(cls, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> HFEvalPrediction:
+        self = super().__new__(cls, predictions, label_ids)
+        self.inputs, self.losses = inputs, losses
+        return self
+
+
+def call_model(model: Any, batch: Any) -> Any:
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a sequence, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def loss_of(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0] if outputs else None
+    return getattr(outputs, "loss", None)
+
+
+def describe(outputs: Any) -> str:
+    """A short account of an output, for error messages."""
+    if isinstance(outputs, Mapping):
+        return f"{type(outputs).__name__} with keys {', '.join(map(str, outputs)) or 'none'}"
+    if isinstance(outputs, (tuple, list)):
+        return f"a {type(outputs).__name__} of {len(outputs)}"
+    return type(outputs).__name__
+
+
+def predictions_of(outputs: Any, *, loss_inside: bool, ignore_keys: Sequence[str] = ()) -> Any:
+    """Everything the model returned but the loss (None when nothing is left).
+
+    ``loss_inside``: the output carries the loss (no ``compute_loss_func``), so a tensor output is
+    the loss itself and a tuple's first element is skipped.
+    """
+    if isinstance(outputs, torch.Tensor):
+        found: tuple = () if loss_inside else (outputs,)
+    elif isinstance(outputs, Mapping):
+        found = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys and v is not None)
+    elif isinstance(outputs, (tuple, list)):
+        found = tuple(v for v in (outputs[1:] if loss_inside else outputs) if v is not None)
+    else:
+        found = tuple(v for v in (getattr(outputs, "logits", None),) if v is not None)
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else found
+
+
+def ignore_keys_for(model: Any) -> list[str]:
+    config = getattr(model, "config", None)
+    return list(getattr(config, "keys_to_ignore_at_inference", None) or ["past_key_values"])
+
+
+def main_input(batch: Any, model: Any) -> Any:
+    """The model's main input in a batch (``include_for_metrics=["inputs"]``)."""
+    if isinstance(batch, Mapping):
+        return batch.get(getattr(model, "main_input_name", "input_ids"), next(iter(batch.values()), None))
+    return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def gather(accelerator: Any, value: Any) -> Any:
+    """``value`` (tensors, possibly nested) from every process, on the CPU as numpy."""
+    if accelerator.num_processes > 1:
+        value = accelerator.pad_across_processes(value, dim=1, pad_index=-100)
+    return to_numpy(accelerator.gather_for_metrics(value))
+
+
+def to_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
+        return value.cpu().numpy()
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_numpy(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: to_numpy(v) for k, v in value.items()}
+    return value
+
+
+def concat(parts: list[Any]) -> Any:
+    """Batches joined along the first axis; later axes of unequal size are padded with -100."""
+    first = parts[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    arrays = [np.atleast_1d(np.asarray(p)) for p in parts]
+    shape = tuple(max(s) for s in zip(*(a.shape[1:] for a in arrays)))
+    if any(a.shape[1:] != shape for a in arrays):
+        arrays = [np.pad(a, [(0, 0)] + [(0, m - n) for n, m in zip(a.shape[1:], shape)], constant_values=-100)
+                  for a in arrays]
+    return np.concatenate(arrays)
+
+
+class PredictionCollector:
+    """Gathers one evaluation's predictions, labels (and inputs / losses when asked) batch by batch."""
+
+    def __init__(self, accelerator: Any, *, model: Any, enabled: bool, label_names: Sequence[str], loss_inside: bool,
+                 ignore_keys: Sequence[str], preprocess: Callable[[Any, Any], Any] | None,
+                 include: Sequence[str]) -> None:
+        self.accelerator, self.model, self.enabled = accelerator, model, enabled
+        self.label_names, self.loss_inside, self.ignore_keys = list(label_names), loss_inside, list(ignore_keys)
+        self.preprocess, self.include = preprocess, set(include)
+        self.preds: list[Any] = []
+        self.labels: list[Any] = []
+        self.inputs: list[Any] = []
+        self.losses: list[Any] = []
+
+    def add(self, batch: Any, labels: Any, loss: torch.Tensor, size: int, outputs: Any) -> None:
+        if not self.enabled:
+            return
+        acc = self.accelerator
+        logits = predictions_of(outputs, loss_inside=self.loss_inside, ignore_keys=self.ignore_keys)
+        if logits is not None:
+            if self.preprocess is not None:
+                logits = self.preprocess(logits, labels)
+            self.preds.append(gather(acc, logits))
+        if labels is not None:
+            self.labels.append(gather(acc, labels))
+        if "inputs" in self.include:
+            self.inputs.append(gather(acc, main_input(batch, self.model)))
+        if "loss" in self.include:
+            self.losses.append(gather(acc, loss.detach().reshape(1).repeat(size)))
+
+    def result(self) -> HFEvalPrediction | None:
+        if not self.preds:
+            return None
+        return HFEvalPrediction(concat(self.preds), concat(self.labels) if self.labels else None,
+                                inputs=concat(self.inputs) if self.inputs else None,
+                                losses=concat(self.losses) if self.losses else None)
+
+
+def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
+                    precision: Any) -> float:
+    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), precision:
+            for batch in dataloader:
+                labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
+                loss, outputs = compute_loss(model, batch, return_outputs=True)
+                size = batch_size(batch)
+                total += float(loss) * size
+                count += size
+                collector.add(batch, labels, loss, size, outputs)
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def full_eval_precision(args: Any, device: torch.device) -> Any:
+    """``fp16_full_eval`` / ``bf16_full_eval``: evaluation runs under autocast in that precision."""
+    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()

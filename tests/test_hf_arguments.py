@@ -1,0 +1,139 @@
+"""TrainingArguments as a Hugging Face user writes them: transformers' names, a transformers
+instance, subclasses with their own fields, and transformers' optimizer names."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hpsweep
+from hpsweep import TrainingArguments, UserError
+from hpsweep.arguments import apply_params
+from hpsweep.optim import create_optimizer
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.TensorDataset(x, (x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).argmax(-1))
+
+
+def test_transformers_names_mean_what_they_mean_there() -> None:
+    args = TrainingArguments("out", per_device_train_batch_size=16, per_device_eval_batch_size=32, disable_tqdm=True,
+                             report_to="none", remove_unused_columns=False, label_names=["target"],
+                             evaluation_strategy="steps", eval_steps=5.0, save_strategy="steps", save_steps=10,
+                             metric_for_best_model="accuracy", run_name="baseline", logging_dir="out/logs",
+                             include_inputs_for_metrics=True, warmup_steps=0.1, do_train=True)
+    assert (args.train_batch_size, args.eval_batch_size) == (16, 32)
+    assert args.disable_progress and args.disable_tqdm
+    assert (args.eval_strategy, args.eval_steps) == ("steps", 5)  # transformers 4's name, a whole float
+    assert args.metric_for_best_model == "eval_accuracy" and args.greater_is_better is True
+    assert TrainingArguments(metric_for_best_model="loss").greater_is_better is False
+    assert args.include_for_metrics == ["inputs"] and args.label_names == ["target"]
+    assert args.warmup_for(200) == 20  # transformers 5: warmup_steps below 1 is a ratio
+    # Our name for the same setting wins over the alias' old value when changed.
+    assert args.replace(disable_progress=False).disable_tqdm is False
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(learning_rte=1e-3), ["'learning_rte'", "did you mean 'learning_rate'"]),
+    (dict(hub_model_id="me/model"), ["'hub_model_id'", "--push-to-hub"]),
+    (dict(push_to_hub=True), ["push_to_hub=True", "--push-to-hub"]),
+    (dict(label_smoothing_factor=0.1), ["'label_smoothing_factor'", "compute_loss_func"]),
+    (dict(eval_steps=0.25, eval_strategy="steps"), ["eval_steps=0.25", "whole number"]),
+    (dict(optim="lion"), ["optim='lion'", "adamw_torch"]),
+    (dict(save_strategy="best"), ["save_strategy='best'", "no, steps, epoch"]),
+])
+def test_what_hpsweep_does_not_support_is_one_line_naming_it(kwargs: dict, needles: list[str]) -> None:
+    with pytest.raises(UserError) as info:
+        TrainingArguments(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message and all(n in message for n in needles), message
+
+
+def test_report_to_is_accepted_but_starts_nothing() -> None:
+    assert TrainingArguments(report_to="all").report_to == "all"
+    with pytest.warns(UserWarning, match="--mlflow"):
+        assert TrainingArguments(report_to=["wandb"]).report_to == ["wandb"]
+
+
+@dataclasses.dataclass
+class RegressionArguments(TrainingArguments):
+    a: float = 0.0
+    tag: str = "x"
+
+
+def test_a_subclass_with_its_own_fields_is_cast_replaced_and_searched() -> None:
+    args = RegressionArguments("out", a=1, tag=3, learning_rate="0.1")
+    assert (args.a, args.tag, args.learning_rate) == (1.0, "3", 0.1)
+    copy = apply_params(args, {"a": 2, "learning_rate": 0.5, "hidden": 8})
+    assert type(copy) is RegressionArguments and (copy.a, copy.learning_rate) == (2.0, 0.5)
+    with pytest.raises(UserError, match="'c' is not a field"):
+        RegressionArguments(c=1)
+
+
+def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: Path) -> None:
+    import transformers
+    from transformers.trainer_utils import IntervalStrategy
+
+    hf_args = transformers.TrainingArguments(str(tmp_path), learning_rate=0.05, per_device_train_batch_size=32,
+                                             eval_strategy=IntervalStrategy.EPOCH, save_strategy="epoch",
+                                             num_train_epochs=2, load_best_model_at_end=True,
+                                             metric_for_best_model="accuracy", optim="sgd", disable_tqdm=True,
+                                             report_to="none", seed=3, remove_unused_columns=False)
+    trainer = hpsweep.Trainer(model_init=Net, args=hf_args, train_dataset=data(64, 1), eval_dataset=data(32, 2),
+                              compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())})
+    args = trainer.args
+    assert isinstance(args, TrainingArguments)
+    assert (args.learning_rate, args.per_device_train_batch_size, args.eval_strategy, args.optim, args.seed) == (
+        0.05, 32, "epoch", "sgd", 3)
+    assert args.metric_for_best_model == "eval_accuracy" and args.greater_is_better and args.disable_progress
+    out = trainer.train()
+    assert out.global_step == 4 and out.metrics["eval_accuracy"] == trainer.state.best_metric
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
+
+
+def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
+    import transformers
+
+    hf_args = transformers.TrainingArguments(str(tmp_path), label_smoothing_factor=0.1, report_to="none")
+    with pytest.raises(UserError) as info:
+        hpsweep.Trainer(model_init=Net, args=hf_args)
+    assert "label_smoothing_factor=0.1" in str(info.value) and "compute_loss_func" in str(info.value)
+    with pytest.raises(UserError, match=r"Trainer\(args=...\) is a dict; use hpsweep.TrainingArguments"):
+        hpsweep.Trainer(model_init=Net, args={"learning_rate": 0.1})
+
+
+@pytest.mark.parametrize("optim, expected", [
+    ("adamw_torch", "AdamW"), ("adamw_torch_fused", "AdamW"), ("adamw_hf", "AdamW"), ("sgd", "SGD"),
+    ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"), ("RMSprop", "RMSprop"), ("SGD", "SGD"), ("Adam", "Adam"),
+    ("AdamW", "AdamW"), ("adafactor", "Adafactor"),
+])
+def test_optim_takes_transformers_and_torch_names(optim: str, expected: str) -> None:
+    args = TrainingArguments(optim=optim, learning_rate=0.01, weight_decay=0.1, momentum=0.9)
+    optimizer = create_optimizer(Net(), args)
+    assert type(optimizer).__name__ == expected
+    decays = sorted(g["weight_decay"] for g in optimizer.param_groups)
+    assert decays == [0.0, 0.1]  # no decay on biases and norms, as transformers does
+    if optim == "adafactor":
+        assert type(optimizer).__module__.startswith("transformers")
+
+
+def test_an_optuna_style_optimizer_name_trains(tmp_path: Path) -> None:
+    args = TrainingArguments(str(tmp_path), optim="RMSprop", learning_rate=1e-2, num_train_epochs=1,
+                             per_device_train_batch_size=16, disable_tqdm=True, save_strategy="no")
+    trainer = hpsweep.Trainer(model=Net(), args=args, train_dataset=data(64, 1), eval_dataset=data(32, 2))
+    out = trainer.train()
+    assert out.global_step == 4 and isinstance(trainer.optimizer.optimizer, torch.optim.RMSprop)

@@ -1,0 +1,99 @@
+"""A run_glue.py-style search, as a Hugging Face user writes it: a datasets.Dataset of text and
+labels, a tokenizer, a BERT classifier, DataCollatorWithPadding and hyperparameter_search.
+
+Only the import of Trainer and TrainingArguments differs from the transformers version of this
+session; everything is built locally (no download)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
+                          BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast)
+
+from hpsweep import Trainer, TrainingArguments  # was: from transformers import Trainer, TrainingArguments
+
+POSITIVE = "good great fine lovely superb".split()
+NEGATIVE = "bad awful poor dreadful grim".split()
+FILLER = "the a film plot actor scene was is very quite movie story".split()
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *POSITIVE, *NEGATIVE, *FILLER]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]")
+
+
+def sentences(n: int, seed: int) -> datasets.Dataset:
+    rng = random.Random(seed)
+    text, label = [], []
+    for _ in range(n):
+        positive = rng.random() < 0.5
+        words = rng.sample(FILLER, rng.randint(2, 6)) + [rng.choice(POSITIVE if positive else NEGATIVE)]
+        rng.shuffle(words)
+        text.append(" ".join(words))
+        label.append(int(positive))
+    return datasets.Dataset.from_dict({"text": text, "label": label})
+
+
+def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Path, capsys) -> None:
+    tokenizer = build_tokenizer()
+
+    def preprocess_function(examples):
+        return tokenizer(examples["text"], truncation=True, max_length=16)
+
+    train_dataset = sentences(160, seed=1).map(preprocess_function, batched=True)
+    eval_dataset = sentences(64, seed=2).map(preprocess_function, batched=True)
+
+    def model_init(trial):
+        config = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=32, num_labels=2)
+        return BertForSequenceClassification(config)
+
+    def compute_metrics(eval_pred):
+        predictions, labels = eval_pred
+        return {"accuracy": float((np.argmax(predictions, axis=1) == labels).mean())}
+
+    def hp_space(trial):
+        return {"learning_rate": trial.suggest_float("learning_rate", 3e-3, 3e-2, log=True),
+                "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [16, 32])}
+
+    training_args = TrainingArguments(output_dir=str(tmp_path / "out"), eval_strategy="epoch", save_strategy="epoch",
+                                      num_train_epochs=3, per_device_eval_batch_size=32, weight_decay=0.01,
+                                      load_best_model_at_end=True, metric_for_best_model="accuracy",
+                                      report_to="none", disable_tqdm=True)
+    trainer = Trainer(model_init=model_init, args=training_args, train_dataset=train_dataset,
+                      eval_dataset=eval_dataset, processing_class=tokenizer,
+                      data_collator=DataCollatorWithPadding(tokenizer=tokenizer), compute_metrics=compute_metrics)
+    best_run = trainer.hyperparameter_search(hp_space=hp_space, direction="maximize", backend="optuna", n_trials=2)
+
+    # It optimised the accuracy: with one metric, transformers' default objective is that metric.
+    assert "hpsweep: optimising the sum of compute_metrics' eval metrics" in capsys.readouterr().out
+    out = tmp_path / "out"
+    summary = json.loads((out / "best_run.json").read_text())
+    assert summary["objective"] == summary["run_summary"]["metrics"]["eval_accuracy"] > 0.6
+    assert set(summary["hyperparameters"]) == {"learning_rate", "per_device_train_batch_size"}
+
+    # best/ is a model and a tokenizer that from_pretrained loads ...
+    model = AutoModelForSequenceClassification.from_pretrained(out / "best").eval()
+    loaded_tokenizer = AutoTokenizer.from_pretrained(out / "best")
+    assert loaded_tokenizer("good film")["input_ids"] == tokenizer("good film")["input_ids"]
+
+    # ... and re-evaluating it gives the accuracy the sweep recorded.
+    collator = DataCollatorWithPadding(tokenizer=loaded_tokenizer)
+    features = sentences(64, seed=2).map(lambda b: loaded_tokenizer(b["text"], truncation=True, max_length=16),
+                                         batched=True).remove_columns(["text"])
+    right = 0
+    with torch.no_grad():
+        for start in range(0, len(features), 32):
+            batch = collator([features[i] for i in range(start, min(start + 32, len(features)))])
+            labels = batch.pop("labels")
+            right += int((model(**batch).logits.argmax(-1) == labels).sum())
+    assert right / len(features) == summary["objective"] == best_run.objective

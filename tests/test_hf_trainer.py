@@ -1,0 +1,235 @@
+"""The Trainer arguments and model outputs Hugging Face users bring: tuples, ModelOutput objects,
+label_names, preprocess_logits_for_metrics, compute_loss_func, optimizers=, model= with
+model_init=, datasets.Dataset columns, and a tokenizer as processing_class."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hpsweep
+from hpsweep import TrainingArguments, UserError
+
+W = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+
+def rows(n: int, seed: int, label: str = "labels") -> list[dict]:
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return [{"x": xi, label: int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
+
+
+class Net(nn.Module):
+    """Returns its outputs the way the test asks: a (loss, logits) tuple, a ModelOutput or a dict."""
+
+    def __init__(self, kind: str = "tuple") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, labels)
+        if self.kind == "tuple":
+            return loss, logits
+        if self.kind == "model_output":
+            from transformers.modeling_outputs import SequenceClassifierOutput
+
+            return SequenceClassifierOutput(loss=loss, logits=logits)
+        return {"loss": loss, "logits": logits}
+
+
+def accuracy(p: hpsweep.EvalPrediction) -> dict:
+    return {"accuracy": float((np.asarray(p.predictions).argmax(-1) == p.label_ids).mean())}
+
+
+def args(out: Path, **kw) -> TrainingArguments:
+    return TrainingArguments(str(out), num_train_epochs=kw.pop("num_train_epochs", 2), learning_rate=5e-2,
+                             per_device_train_batch_size=16, per_device_eval_batch_size=32, disable_tqdm=True,
+                             save_strategy=kw.pop("save_strategy", "no"), **kw)
+
+
+def test_tuples_model_outputs_and_dicts_evaluate_alike(tmp_path: Path) -> None:
+    results = {}
+    for kind in ("tuple", "model_output", "dict"):
+        trainer = hpsweep.Trainer(model_init=lambda kind=kind: Net(kind), args=args(tmp_path / kind),
+                                  train_dataset=rows(96, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy)
+        results[kind] = trainer.train().metrics
+    assert results["tuple"] == results["model_output"] == results["dict"]
+    assert results["tuple"]["eval_accuracy"] > 0.4
+
+
+def test_label_names_choose_the_labels_compute_metrics_gets(tmp_path: Path) -> None:
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x, target):  # no "label" in the name: transformers needs label_names too
+            y = self.lin(x).squeeze(-1)
+            return nn.functional.mse_loss(y, target), y, y * 2
+
+    seen = {}
+
+    def metrics(p):
+        seen["predictions"], seen["labels"] = p.predictions, p.label_ids
+        return {"mae": float(np.abs(p.predictions[0] - p.label_ids).mean())}
+
+    data = [{"x": r["x"], "target": float(r["x"].sum())} for r in rows(64, 3)]
+    trainer = hpsweep.Trainer(model=Regressor(), args=args(tmp_path, label_names=["target"]), train_dataset=data,
+                              eval_dataset=data, compute_metrics=metrics)
+    result = trainer.evaluate()
+    assert isinstance(seen["predictions"], tuple) and len(seen["predictions"]) == 2  # all but the loss
+    assert np.allclose(seen["predictions"][1], seen["predictions"][0] * 2)
+    assert np.allclose(seen["labels"], [d["target"] for d in data], atol=1e-5)
+    assert result["eval_mae"] > 0
+
+
+def test_preprocess_logits_for_metrics_runs_on_each_batch_before_gathering(tmp_path: Path) -> None:
+    calls = []
+
+    def to_classes(logits, labels):
+        calls.append((tuple(logits.shape), tuple(labels.shape)))
+        return logits.argmax(-1)
+
+    def metrics(p):
+        assert p.predictions.dtype == np.int64 and p.predictions.shape == (64,)
+        return {"accuracy": float((p.predictions == p.label_ids).mean())}
+
+    trainer = hpsweep.Trainer(model=Net(), args=args(tmp_path), train_dataset=rows(64, 1), eval_dataset=rows(64, 2),
+                              compute_metrics=metrics, preprocess_logits_for_metrics=to_classes)
+    assert 0 <= trainer.evaluate()["eval_accuracy"] <= 1
+    assert calls == [((32, 4), (32,)), ((32, 4), (32,))]
+
+
+def test_compute_loss_func_replaces_the_models_loss(tmp_path: Path) -> None:
+    class Logits(nn.Module):  # returns logits only; the loss comes from compute_loss_func
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(labels.shape)
+        return nn.functional.cross_entropy(outputs, labels)
+
+    trainer = hpsweep.Trainer(model=Logits(), args=args(tmp_path, num_train_epochs=3), train_dataset=rows(96, 1),
+                              eval_dataset=rows(64, 2), compute_metrics=accuracy, compute_loss_func=loss_func)
+    before = trainer.evaluate()
+    after = trainer.train().metrics
+    assert after["eval_loss"] < before["eval_loss"] and after["eval_accuracy"] > 0.4
+    assert seen and all(s[0] in (16, 32) for s in seen)
+
+
+def test_optimizers_pair_is_the_one_that_trains(tmp_path: Path) -> None:
+    model = Net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = hpsweep.Trainer(model=model, args=args(tmp_path, eval_strategy="no"), train_dataset=rows(64, 1),
+                              optimizers=(sgd, None))
+    start = model.net[0].weight.detach().clone()
+    trainer.train()
+    assert trainer.optimizer.optimizer is sgd and not torch.equal(start, model.net[0].weight)
+    with pytest.raises(UserError, match="model_init"):
+        hpsweep.Trainer(model_init=Net, args=args(tmp_path), optimizers=(sgd, None))
+
+
+def test_model_and_model_init_together_as_transformers_4_allows(tmp_path: Path) -> None:
+    given = Net()
+    trainer = hpsweep.Trainer(model=given, model_init=lambda: Net("dict"), args=args(tmp_path),
+                              train_dataset=rows(64, 1), eval_dataset=rows(64, 2))
+    trainer.evaluate()
+    assert trainer.model is given  # evaluating before training uses the model given
+    trainer.train()
+    assert trainer.model is not given and trainer.model.kind == "dict"  # train() builds it with model_init
+
+
+def test_include_for_metrics_hands_over_inputs_and_losses(tmp_path: Path) -> None:
+    seen = {}
+
+    def metrics(p):
+        seen["inputs"], seen["losses"] = p.inputs, p.losses
+        return {}
+
+    trainer = hpsweep.Trainer(model=Net(), args=args(tmp_path, include_for_metrics=["inputs", "loss"]),
+                              eval_dataset=rows(40, 2), compute_metrics=metrics)
+    trainer.evaluate()
+    assert seen["inputs"].shape == (40, 8) and seen["losses"].shape == (40,)
+
+
+# --- datasets and tokenizers ---------------------------------------------------------------------
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "good", "bad", "film", "very", "the"]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+class BagOfWords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(len(WORDS), 2, mode="sum")
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.emb(input_ids, per_sample_weights=attention_mask.float())
+        return nn.functional.cross_entropy(logits, labels), logits
+
+
+def reviews(n: int):
+    import datasets
+
+    rng = np.random.default_rng(n)
+    text = [" ".join(["the", "film"] + ["very"] * int(rng.integers(0, 4)) + [("good", "bad")[i % 2]])
+            for i in range(n)]
+    ds = datasets.Dataset.from_dict({"text": text, "label": [1 - i % 2 for i in range(n)], "idx": list(range(n))})
+    return ds.map(lambda b: tokenizer()(b["text"]), batched=True)
+
+
+def test_dataset_columns_the_model_does_not_take_are_dropped(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, DataCollatorWithPadding
+
+    class SeesTheTokenizer(hpsweep.TrainerCallback):  # as a pusher or the trial reporter would
+        saved = []
+
+        def on_save(self, args, state, control, checkpoint, **kwargs):
+            self.saved.append((Path(checkpoint) / "tokenizer.json").exists())
+
+    tok = tokenizer()
+    trainer = hpsweep.Trainer(model=BagOfWords(), args=args(tmp_path, save_strategy="epoch", num_train_epochs=3),
+                              train_dataset=reviews(64), eval_dataset=reviews(32), processing_class=tok,
+                              compute_metrics=accuracy, callbacks=[SeesTheTokenizer()])
+    assert isinstance(trainer.data_collator, DataCollatorWithPadding) and trainer.tokenizer is tok
+    metrics = trainer.train().metrics  # "text" and "idx" would break padding and forward
+    assert metrics["eval_accuracy"] > 0.6
+    assert SeesTheTokenizer.saved == [True, True, True]
+    checkpoint = tmp_path / f"checkpoint-{trainer.state.global_step}"
+    assert AutoTokenizer.from_pretrained(checkpoint)("good film")["input_ids"] == tok("good film")["input_ids"]
+
+
+def test_a_text_column_reaching_the_collator_is_one_line_naming_it(tmp_path: Path) -> None:
+    trainer = hpsweep.Trainer(model=BagOfWords(), args=args(tmp_path, remove_unused_columns=False),
+                              train_dataset=reviews(32), tokenizer=tokenizer())
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    assert "column 'text' holds text" in str(info.value) and "remove_unused_columns=True" in str(info.value)
+
+
+def test_a_dataset_with_no_column_the_model_takes_says_to_tokenize(tmp_path: Path) -> None:
+    import datasets
+
+    raw = datasets.Dataset.from_dict({"sentence": ["good film"] * 8, "score": [1] * 8})
+    trainer = hpsweep.Trainer(model=BagOfWords(), args=args(tmp_path), train_dataset=raw)
+    with pytest.raises(UserError, match="none of its columns .* tokenize the text first"):
+        trainer.train()
