@@ -341,6 +341,9 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               options=options, backend=backend, max_failed_trials=max_failed_trials,
                               processes_per_trial=processes_per_trial, given=frozenset(given))
     chosen = get_backend(backend, settings)
+    if space is None and settings.space is not None:  # the backend read a native hp_space (a W&B sweep config)
+        space, hp_space = validate_space(settings.space), settings.hp_space
+        check_space_against_args(space, trainer.args, takes_trial)
     job = SweepJob(model_init=trainer.model_init, args=args, train_dataset=trainer.train_dataset,
                    eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,

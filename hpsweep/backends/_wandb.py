@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import signal
 import threading
 import time
@@ -36,12 +37,12 @@ with warnings.catch_warnings():  # sweeps 0.3 still spells pydantic-v1 config ke
 
 from .. import runs
 from ..errors import TrialPruned, UserError
-from ..space import Categorical, Distribution, Int
+from ..space import Categorical, Distribution, Float, Int
 from ..trial import Trial
 from ._base import Backend, SearchSettings, TrialFailed
 
 SWEEP_FILE = "wandb_sweep.json"
-OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity")
+OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity", "sweep_id")
 #: trial.json state -> the W&B run state the sweeps engine reasons about. W&B's controller marks
 #: early-terminated runs ``stopped`` and keeps their history, so bayes learns from pruned runs too.
 RUN_STATES = {"complete": "finished", "pruned": "finished", "failed": "failed", "running": "crashed",
@@ -98,6 +99,45 @@ def sweep_config(settings: SearchSettings) -> dict[str, Any]:
     return config
 
 
+def _sweep_config_of(hp_space: Callable[..., Any]) -> dict[str, Any] | None:
+    """The W&B sweep config ``hp_space(None)`` returns (Hugging Face's W&B convention), or None."""
+    try:
+        config = hp_space(None)
+    except Exception:  # a define-by-run function that needs a trial: not a sweep config
+        return None
+    return dict(config) if isinstance(config, Mapping) and isinstance(config.get("parameters"), Mapping) else None
+
+
+def space_from_sweep_config(config: Mapping[str, Any]) -> dict[str, Distribution]:
+    """A W&B sweep config's ``parameters`` as an hpsweep space (the inverse of `_parameter`).
+
+        >>> space_from_sweep_config({"parameters": {"lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 0.1}}})
+        {'lr': Float(low=0.0001, high=0.1, log=True, step=None)}
+    """
+    space: dict[str, Distribution] = {}
+    for name, spec in config["parameters"].items():
+        kind = spec.get("distribution")
+        low, high = spec.get("min"), spec.get("max")
+        if "values" in spec or kind == "categorical":
+            space[name] = Categorical(list(spec["values"]))
+        elif "value" in spec:
+            space[name] = Categorical([spec["value"]])
+        elif kind == "int_uniform" or (kind is None and isinstance(low, int) and isinstance(high, int)):
+            space[name] = Int(int(low), int(high))
+        elif kind in ("uniform", None):
+            space[name] = Float(float(low), float(high))
+        elif kind == "log_uniform_values":
+            space[name] = Float(float(low), float(high), log=True)
+        elif kind == "q_uniform":
+            space[name] = Float(float(low), float(high), step=float(spec.get("q", 1)))
+        elif kind == "q_log_uniform_values" and spec.get("q", 1) == 1:
+            space[name] = Int(int(low), int(high), log=True)
+        else:
+            raise UserError(f"hp_space parameter {name!r}: the W&B distribution {kind!r} has no hpsweep equivalent; "
+                            "use values, uniform, int_uniform, log_uniform_values or q_uniform")
+    return space
+
+
 def _parameter(name: str, dist: Distribution, *, grid: bool) -> dict[str, Any]:
     if grid or isinstance(dist, Categorical):
         # A grid lists every value: W&B's own q_uniform grid (np.arange) would drop the upper bound.
@@ -141,6 +181,13 @@ class WandbBackend(Backend):
     parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     def __init__(self, settings: SearchSettings) -> None:
+        if settings.hp_space is not None:  # a W&B sweep config, as Hugging Face users write hp_space
+            native = _sweep_config_of(settings.hp_space)
+            if native is not None:
+                settings.space, settings.hp_space = space_from_sweep_config(native), None
+                settings.sampler = settings.sampler or native.get("method")
+                if "early_terminate" in native and settings.pruner is None:
+                    settings.pruner = "hyperband"
         super().__init__(settings)
         if settings.hp_space is not None or settings.space is None:
             raise UserError("the wandb backend needs a `space` dict (a W&B sweep config is fixed before the runs); "
@@ -155,7 +202,7 @@ class WandbBackend(Backend):
     def run(self, loop: Any) -> None:
         saved = self._load_sweep_file()
         if self.online:
-            self._run_online(loop.runner, saved.get("sweep_id"), loop)
+            self._run_online(loop.runner, self.settings.options.get("sweep_id") or saved.get("sweep_id"), loop)
         else:
             super().run(loop)
 
@@ -165,9 +212,15 @@ class WandbBackend(Backend):
         """The sweep this folder already holds; a different one is an error rather than a mix-up."""
         path = self.settings.output_dir / SWEEP_FILE
         saved = runs.read_json(path) if path.exists() else {}
+        wanted = self.settings.options.get("sweep_id")
+        if wanted and not self.online and wanted != saved.get("sweep_id", wanted):
+            raise UserError(f"sweep_id={wanted!r}: {self.settings.output_dir} holds sweep {saved['sweep_id']!r}; "
+                            "give its id, or no sweep_id (the folder's sweep continues)")
         if saved and saved.get("config") != self.config:
             raise UserError(f"{self.settings.output_dir} holds another W&B sweep (see {SWEEP_FILE}: other space, "
                             "sampler, pruner or objective); use another --output-dir or the same settings")
+        if not self.online:  # a local sweep's id names the folder's sweep, as a server's id would
+            saved.setdefault("sweep_id", wanted or f"local-{secrets.token_hex(4)}")
         runs.write_json(path, {**saved, "config": self.config})
         return saved
 

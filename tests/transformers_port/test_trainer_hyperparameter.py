@@ -1,11 +1,13 @@
 # Ported from huggingface/transformers, tests/trainer/test_trainer_hyperparameter.py
 # at commit cdbb95d8e064f6a62bf760748079b518c6073b8f, under the Apache License 2.0 (below).
-# Changed, and nothing else:
+# Changed:
 # - `TrainingArguments` is imported from hpsweep instead of transformers (and, in
 #   trainer_test_utils.py, `Trainer` too): transformers' own tests run on hpsweep's Trainer.
 # - The `require_torch` / `require_optuna` / `require_ray` / `require_wandb` decorators are
 #   dropped: CI installs every extra, so a missing package must fail the import, never skip.
 # - `@unittest.skip("don't work because of a serialization issue")` is removed from the Ray class.
+# - In the W&B test, the assertions on transformers-only W&B details are replaced, marked where
+#   they stand ("hpsweep differs here"): see the README's "What differs".
 # - `HyperParameterSearchBackendsTest` is left out: it checks transformers' own backend registry
 #   (ALL_HYPERPARAMETER_SEARCH_BACKENDS against HPSearchBackend), which hpsweep does not use.
 #
@@ -284,20 +286,23 @@ class TrainerHyperParameterWandbIntegrationTest(unittest.TestCase):
             }
             best_run = trainer.hyperparameter_search(**sweep_kwargs)
 
+            # hpsweep differs here (README, "What differs"): hyperparameters hold the sampled params
+            # only (transformers adds W&B's "assignments" and "metric" config entries); run_summary
+            # is the same dict on every backend, and the sweep id lives in DIR/wandb_sweep.json;
+            # hpsweep sets no WANDB_* variables in the user's environment.
             self.assertIsNotNone(best_run.run_id)
             self.assertIsNotNone(best_run.run_summary)
             hp_keys = set(best_run.hyperparameters.keys())
-            self.assertSetEqual(hp_keys, {"a", "b", "assignments", "metric"})
+            self.assertSetEqual(hp_keys, {"a", "b"})
 
-            # pretend restarting the process purged the environ
+            import json
             import os
 
-            del os.environ["WANDB_ENTITY"]
-            del os.environ["WANDB_PROJECT"]
-            sweep_kwargs["sweep_id"] = best_run.run_summary
+            sweep_id = json.loads(open(os.path.join(tmp_dir, "wandb_sweep.json")).read())["sweep_id"]
+            sweep_kwargs["sweep_id"] = sweep_id
             updated_best_run = trainer.hyperparameter_search(**sweep_kwargs)
 
             self.assertIsNotNone(updated_best_run.run_id)
             self.assertEqual(updated_best_run.run_summary, best_run.run_summary)
             updated_hp_keys = set(updated_best_run.hyperparameters.keys())
-            self.assertSetEqual(updated_hp_keys, {"a", "b", "assignments", "metric"})
+            self.assertSetEqual(updated_hp_keys, {"a", "b"})
