@@ -104,10 +104,10 @@ class TrialLoop:
         except TrialFailed:
             backend.tell(trial, "failed")
         except UserError:
-            backend.tell(trial, "failed")
+            _tell_quietly(backend, trial, "failed")  # the user's error is the news, not a storage hiccup
             raise
         except BaseException:
-            backend.tell(trial, "stopped")
+            _tell_quietly(backend, trial, "stopped")
             raise
         else:
             backend.tell(trial, "complete", value)
@@ -235,6 +235,15 @@ def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any) -
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _tell_quietly(backend: Backend, trial: Trial, state: str) -> None:
+    """Tell the backend while the sweep is stopping anyway; if it cannot hear it (a full disk
+    under its storage), the ledger's reap closes the trial on the next run (`Backend.abandon`)."""
+    try:
+        backend.tell(trial, state)
+    except Exception:  # noqa: BLE001 - the exception being raised already says why we stop
+        pass
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:

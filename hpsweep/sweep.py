@@ -152,13 +152,11 @@ class TrialRunner:
                 raise UserError(f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing "
                                 "and run the same command again") from None
             raise
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk fails every trial: stop, resumable
-                _finish_quietly(record, "stopped", "the disk is full")
+        except Exception as exc:
+            if disk_full(exc):  # a full disk fails every trial alike: stop, and leave the trial to resume
+                _finish_quietly(record, "stopped", "the disk was full")
                 raise UserError(f"no space left on the disk of {job.output_dir} while trial {trial.number} "
                                 "ran; free some space and run the same command again") from None
-            self._fail(record, run_dir, trial, exc)
-        except Exception as exc:
             self._fail(record, run_dir, trial, exc)
         except BaseException:  # Ctrl-C, SIGTERM, or a scheduler stopping the worker
             _finish_quietly(record, "stopped", None)
@@ -175,6 +173,17 @@ class TrialRunner:
         record.finish("failed", error=f"{type(exc).__name__}: {exc}")
         (run_dir / "error.log").write_text(traceback.format_exc())
         raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the disk is full: an OSError, or SQLite's own words."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "database or disk is full" in str(exc) or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def _finish_quietly(record: runs.TrialRecord, state: str, error: str | None) -> None:

@@ -154,3 +154,35 @@ def test_ctrl_c_stops_every_n_jobs_worker(tmp_path: Path) -> None:
     assert all((Path(r.run_dir) / "trial.json").exists() for r in records)
     hpsweep_cli(*cmd("optuna", space, 4, "--n-jobs", "2"), check=True)
     assert violations(out, 4) == []
+
+
+def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: Path) -> None:
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    assert mounted.returncode == 0, mounted.stderr  # CI runs as root, as this machine does
+    try:
+        out = disk / "out"
+        space = write_space(tmp_path, epochs=1, extra=SLOW_TRIALS.format(step_s=0.03), extra_args=SLOW_ARGS,
+                            output_dir=str(out))
+        proc = start(*cmd("optuna", space, 3))
+        assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
+        filler = disk / "filler"
+        with open(filler, "wb") as f:  # fill the disk while the trial trains
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        _, err = proc.communicate(timeout=120)
+        errors = [line for line in err.splitlines() if line.startswith("hpsweep: error")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert "no space left" in errors[0] and "free some space" in errors[0]
+        filler.unlink()
+        hpsweep_cli(*cmd("optuna", space, 3), check=True)
+        assert violations(out, 3) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
