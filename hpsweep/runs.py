@@ -228,8 +228,8 @@ class CheckpointSnapshot:
     """What a checkpoint holds, copied (tensors to the CPU) so that training can go on while it is
     written: the files are those a write at the moment of the copy would have produced."""
 
-    model: Any  # for save_pretrained and its config; its live weights are not read again
-    weights: dict[str, Any]
+    model: Any  # for save_pretrained and its config; its live weights are read only without a copy
+    weights: dict[str, Any] | None  # None: no copy, the model's weights as they are when written
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
@@ -238,8 +238,13 @@ class CheckpointSnapshot:
 
 
 def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                        args: Mapping[str, Any]) -> CheckpointSnapshot:
-    """Copy what `write_snapshot` writes: a memcpy of the weights and the optimizer state."""
+                        args: Mapping[str, Any], copy: bool = True) -> CheckpointSnapshot:
+    """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
+    tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
+    live state and must be written before training goes on."""
+    if not copy:
+        return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
+                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args))
     memo: dict[Any, Any] = {}
     return CheckpointSnapshot(model=model, weights=_cpu_copy(model.state_dict(), memo),
                               optimizer=_cpu_copy(optimizer.state_dict(), memo),
@@ -286,7 +291,7 @@ def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any,
                      args: Mapping[str, Any]) -> Path:
     """Write a checkpoint of the objects as they are now, on this thread (see `write_snapshot`)."""
     return write_snapshot(final, snapshot_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler,
-                                                     state=state, args=args))
+                                                     state=state, args=args, copy=False))
 
 
 class CheckpointWriter:
@@ -305,8 +310,16 @@ class CheckpointWriter:
     def pending(self) -> bool:
         return self._thread is not None
 
-    def submit(self, final: Path, snapshot: CheckpointSnapshot, *, limit: int | None, keep: Path | None) -> None:
+    def submit(self, final: Path, snapshot: CheckpointSnapshot, *, limit: int | None, keep: Path | None,
+               background: bool = True) -> None:
+        """Write ``snapshot`` to ``final``, then rotate. ``background=False`` writes on this thread
+        (after pending writes): a caller that must wait anyway saves the thread hand-off, which a
+        busy machine can make cost milliseconds."""
         self.wait()
+        if not background:
+            write_snapshot(final, snapshot)
+            rotate_checkpoints(final.parent, limit, keep)
+            return
 
         def job() -> None:
             try:

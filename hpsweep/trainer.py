@@ -403,20 +403,21 @@ class Trainer:
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best).
 
-        The state is copied now and written on a background thread. ``wait=False`` (the training
-        loop's checkpoints) returns before the files are on disk: the next checkpoint, the end of
-        training, and ``on_save`` callbacks that read the folder wait for them.
+        ``wait=False`` (the training loop's checkpoints) copies the state now and writes it on a
+        background thread, returning before the files are on disk: the next checkpoint and the end
+        of training wait for them. When an ``on_save`` callback reads the folder (by default: see
+        `TrainerCallback.reads_checkpoints`) the checkpoint is written before it is called.
         """
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
+        background = not wait and not self._handler.reads_checkpoints()
         snapshot = runs.snapshot_checkpoint(model=self.accelerator.unwrap_model(self.model_wrapped),
                                             optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                                            state=self.state.to_dict(), args=self.args.to_dict())
+                                            state=self.state.to_dict(), args=self.args.to_dict(), copy=background)
         writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
         best = self.state.best_model_checkpoint
-        writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None)
-        if wait or self._handler.reads_checkpoints():
-            writer.wait()
+        writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
+                      background=background)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
         return final
 

@@ -23,6 +23,7 @@ from torch import nn
 import hpsweep
 from hpsweep import runs
 from hpsweep.arguments import TrainingArguments
+from hpsweep.callbacks import TrialReporter
 
 CHECKPOINT_FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
                     "training_args.json"}
@@ -127,6 +128,31 @@ def test_background_rotation_keeps_the_limit_and_the_best(tmp_path: Path) -> Non
     best = Path(trainer.state.best_model_checkpoint).name
     assert trainer.state.global_step == 39  # checkpoints at 5, 10, ..., 35 and the last step
     assert kept[-2:] == ["checkpoint-35", "checkpoint-39"] and best in kept and len(kept) <= 3
+
+
+class NotesPaths(hpsweep.Trial):
+    """A backend that only records where each evaluation's checkpoint is (as Optuna could)."""
+
+    reads_checkpoints = False
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.paths: list[str | None] = []
+
+    def report(self, step, metrics, objective, checkpoint=None) -> None:
+        self.paths.append(checkpoint)
+
+
+def test_checkpoints_a_trial_was_told_of_are_whole_when_training_returns(tmp_path: Path) -> None:
+    trial = NotesPaths()
+    reporter = TrialReporter(trial, lambda m: m["eval_accuracy"])
+    trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=5)
+    trainer.add_callback(reporter)
+    assert not trainer._handler.reads_checkpoints()  # so the loop's checkpoints are written in the background
+    trainer.train(trial=trial)
+    assert len(trial.paths) == 7 and all(trial.paths)  # evaluations at steps 5, 10, ..., 35
+    for path in trial.paths:
+        assert {p.name for p in Path(path).iterdir()} == CHECKPOINT_FILES
 
 
 def test_a_checkpoint_that_cannot_be_written_fails_the_run(tmp_path: Path) -> None:
