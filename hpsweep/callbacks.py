@@ -74,6 +74,10 @@ class TrainerCallback:
 
     #: Set to True when `on_evaluate` needs ``eval_prediction`` (predictions and labels).
     needs_predictions: bool = False
+    #: Whether `on_save` may read the checkpoint folder. Checkpoints are written in the background;
+    #: the trainer waits for the folder to be on disk before calling `on_save` on a callback that
+    #: reads it. Set it to False when `on_save` only notes the path (``checkpoint``).
+    reads_checkpoints: bool = True
 
     def state_dict(self) -> dict[str, Any] | None:
         """State to save in checkpoints and hand back on resume; None when there is none."""
@@ -106,6 +110,10 @@ class CallbackHandler:
 
     def needs_predictions(self) -> bool:
         return any(cb.needs_predictions for cb in self.callbacks)
+
+    def reads_checkpoints(self) -> bool:
+        """Whether a callback's `on_save` may read the checkpoint folder (so it must be on disk)."""
+        return any(cb.reads_checkpoints for cb in self.callbacks if type(cb).on_save is not _noop)
 
     def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for listener in self._listeners[event]:
@@ -188,18 +196,27 @@ class TrialReporter(TrainerCallback):
     """Reports each evaluation to the `Trial` and stops the run when the backend prunes it.
 
     When a checkpoint is saved at the same step as the evaluation, the report waits for it so
-    that backends which restart trials (Ray's PBT) receive the checkpoint with the metrics.
+    that backends which restart trials (Ray's PBT) receive the checkpoint with the metrics. A
+    trial that declares ``reads_checkpoints = False`` gets the path without waiting for the
+    background write.
+
+    The run's last evaluation is reported but never offered for pruning: the trial has done all
+    its work by then, so it is complete (recorded so) and stopping it would save nothing.
     """
 
     def __init__(self, trial: Any, objective: Callable[[Mapping[str, float]], Any]) -> None:
         self.trial = trial
         self.objective = objective
         self.pruned = False
-        self._pending: tuple[int, dict[str, float], Any] | None = None
+        self.reads_checkpoints = getattr(trial, "reads_checkpoints", True)
+        self._pending: tuple[int, dict[str, float], Any, bool] | None = None
 
     def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
                     **kwargs: Any) -> None:
-        self._pending = (state.num_evaluations, dict(metrics), self.objective(metrics))
+        # The last evaluation: training reached max_steps, or stops after this evaluation anyway
+        # (an earlier callback such as early stopping said so), or runs after training ended.
+        last = control.should_training_stop or state.global_step >= state.max_steps
+        self._pending = (state.num_evaluations, dict(metrics), self.objective(metrics), last)
         if not control.should_save:
             self._deliver(control, None)
 
@@ -208,10 +225,10 @@ class TrialReporter(TrainerCallback):
             self._deliver(control, checkpoint)
 
     def _deliver(self, control: TrainerControl, checkpoint: str | None) -> None:
-        step, metrics, value = self._pending  # type: ignore[misc]
+        step, metrics, value, last = self._pending  # type: ignore[misc]
         self._pending = None
         self.trial.report(step, metrics, value, checkpoint)
-        if self.trial.should_prune():
+        if not last and self.trial.should_prune():
             self.pruned = True
             control.should_training_stop = True
 

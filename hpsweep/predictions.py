@@ -163,7 +163,7 @@ class PredictionCollector:
 def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
                     precision: Any) -> float:
     """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile."""
-    total, count = 0.0, 0
+    total, count = None, 0
     was_training = model.training
     model.eval()
     try:
@@ -172,12 +172,17 @@ def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any
                 labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
                 loss, outputs = compute_loss(model, batch, return_outputs=True)
                 size = batch_size(batch)
-                total += float(loss) * size
+                # Summed on the device and read once: float(loss) per batch would wait for the device
+                # each time. float64 as Python's float was (MPS has none).
+                if total is None:
+                    total = torch.zeros((), dtype=torch.float32 if loss.device.type == "mps" else torch.float64,
+                                        device=loss.device)
+                total += loss.detach().to(total.dtype) * size
                 count += size
                 collector.add(batch, labels, loss, size, outputs)
     finally:
         model.train(was_training)
-    return total / max(count, 1)
+    return float(total) / max(count, 1) if total is not None else 0.0
 
 
 def full_eval_precision(args: Any, device: torch.device) -> Any:

@@ -13,13 +13,16 @@ leaves either the old version or the new one, never half of one.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -201,18 +204,29 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> l
     newest = found[-limit:]
     doomed = [p for p in found if p not in newest and (keep is None or p.resolve() != keep.resolve())]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        # Renamed out of the listing first: a crash halfway through deleting must not leave a
+        # checkpoint-<step> with files missing (recover_interrupted_swaps clears the leftover).
+        trash = path.with_name(f".{path.name}.tmp-rotated{time.monotonic_ns()}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
     return doomed
 
 
-def save_weights(model: Any, folder: Path) -> None:
-    """Model weights as safetensors; Hugging Face models also write their config.json."""
+def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None) -> None:
+    """Model weights as safetensors; Hugging Face models also write their config.json.
+
+    ``state_dict`` (a `snapshot_checkpoint` copy) is written instead of the model's live weights.
+    """
     if hasattr(model, "save_pretrained") and hasattr(model, "config"):
-        model.save_pretrained(folder, safe_serialization=True)
+        extra = {} if state_dict is None else {"state_dict": dict(state_dict)}
+        model.save_pretrained(folder, safe_serialization=True, **extra)
     else:
         from safetensors.torch import save_model
 
-        save_model(model, str(folder / "model.safetensors"))
+        # save_model reads nothing but .state_dict(): a snapshot goes through the same
+        # de-duplication of tied weights as the live model.
+        source = model if state_dict is None else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
+        save_model(source, str(folder / "model.safetensors"))
 
 
 def load_weights(model: Any, folder: Path) -> None:
@@ -235,21 +249,121 @@ def load_weights(model: Any, folder: Path) -> None:
     raise FileNotFoundError(f"{folder} holds no model.safetensors")
 
 
-def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                     args: Mapping[str, Any]) -> Path:
+@dataclass
+class CheckpointSnapshot:
+    """What a checkpoint holds, copied (tensors to the CPU) so that training can go on while it is
+    written: the files are those a write at the moment of the copy would have produced."""
+
+    model: Any  # for save_pretrained and its config; its live weights are read only without a copy
+    weights: dict[str, Any] | None  # None: no copy, the model's weights as they are when written
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]
+    args: dict[str, Any]
+
+
+def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
+                        args: Mapping[str, Any], copy: bool = True) -> CheckpointSnapshot:
+    """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
+    tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
+    live state and must be written before training goes on."""
+    if not copy:
+        return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
+                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args))
+    memo: dict[Any, Any] = {}
+    return CheckpointSnapshot(model=model, weights=_cpu_copy(model.state_dict(), memo),
+                              optimizer=_cpu_copy(optimizer.state_dict(), memo),
+                              scheduler=_cpu_copy(scheduler.state_dict(), memo), rng=rng_state(),
+                              state=_cpu_copy(dict(state), memo), args=_cpu_copy(dict(args), memo))
+
+
+def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
+    """A deep copy with tensors detached and copied to the CPU; views of one storage with one
+    shape (tied weights) stay one tensor, so saving de-duplicates them as before."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype,
+               str(value.device))
+        if key not in memo:
+            memo[key] = value.detach().to("cpu", copy=True)
+        return memo[key]
+    if type(value) is dict:
+        return {k: _cpu_copy(v, memo) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_cpu_copy(v, memo) for v in value)
+    return copy.deepcopy(value)
+
+
+def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
     """Write a whole checkpoint folder atomically: weights (safetensors), optimizer, scheduler and
     RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them),
     trainer_state.json and training_args.json."""
     import torch
 
     with atomic_dir(final) as tmp:
-        save_weights(model, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng_state.pth")
-        write_json(tmp / "trainer_state.json", state)
-        write_json(tmp / "training_args.json", args)
+        save_weights(snapshot.model, tmp, snapshot.weights)
+        torch.save(snapshot.optimizer, tmp / "optimizer.pt")
+        torch.save(snapshot.scheduler, tmp / "scheduler.pt")
+        torch.save(snapshot.rng, tmp / "rng_state.pth")
+        # Plain writes: the folder is renamed into place as a whole, its files need no renames of their own.
+        for name, data in (("trainer_state.json", snapshot.state), ("training_args.json", snapshot.args)):
+            (tmp / name).write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
     return final
+
+
+def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
+                     args: Mapping[str, Any]) -> Path:
+    """Write a checkpoint of the objects as they are now, on this thread (see `write_snapshot`)."""
+    return write_snapshot(final, snapshot_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler,
+                                                     state=state, args=args, copy=False))
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, one at a time and in order, each followed by its
+    rotation. `submit` waits for the previous write first (one snapshot in memory at most; rotation
+    sees every earlier checkpoint). `wait` returns once all is on disk and raises what a write
+    raised. Not a daemon: an interpreter that exits (Ctrl-C) finishes the write; a killed process
+    leaves a temporary folder, which no listing takes for a checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def submit(self, final: Path, snapshot: CheckpointSnapshot, *, limit: int | None, keep: Path | None,
+               background: bool = True) -> None:
+        """Write ``snapshot`` to ``final``, then rotate. ``background=False`` writes on this thread
+        (after pending writes): a caller that must wait anyway saves the thread hand-off, which a
+        busy machine can make cost milliseconds."""
+        self.wait()
+        if not background:
+            write_snapshot(final, snapshot)
+            rotate_checkpoints(final.parent, limit, keep)
+            return
+
+        def job() -> None:
+            try:
+                write_snapshot(final, snapshot)
+                rotate_checkpoints(final.parent, limit, keep)
+            except BaseException as exc:  # raised on the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=job, name=f"hpsweep-write-{final.name}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], Any]:

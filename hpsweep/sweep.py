@@ -103,7 +103,9 @@ class TrialRunner:
         built: _Prebuilt | BaseException
         try:
             built = _Prebuilt.build(job.model_init, trial, job.args.seed)
-        except (UserError, ImportError):
+        except ImportError as exc:
+            raise _missing_package(trial, exc) from None
+        except UserError:
             raise
         except Exception as exc:  # the trial fails (recorded below, in its default folder)
             built = exc
@@ -149,8 +151,7 @@ class TrialRunner:
             if fresh:
                 shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, ImportError):
-                raise UserError(f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing "
-                                "and run the same command again") from None
+                raise _missing_package(trial, exc) from None
             raise
         except Exception as exc:
             if disk_full(exc):  # a full disk fails every trial alike: stop, and leave the trial to resume
@@ -173,6 +174,11 @@ class TrialRunner:
         record.finish("failed", error=f"{type(exc).__name__}: {exc}")
         (run_dir / "error.log").write_text(traceback.format_exc())
         raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _missing_package(trial: Trial, exc: ImportError) -> UserError:
+    return UserError(f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing and run the "
+                     "same command again")
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ precision are configuration (``args.mixed_precision``, ``args.use_cpu``), not br
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -167,6 +168,7 @@ class Trainer:
         """Train from scratch, or from a checkpoint (``True``: the run's latest one).
 
         With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
+        Checkpoints are written in the background; every one is on disk when this returns.
         """
         args = self.args
         _set_seed(args.seed)
@@ -177,6 +179,7 @@ class Trainer:
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
 
         self.accelerator = acc = self._make_accelerator()
+        self._eval_loaders: dict[Any, Any] = {}  # prepared loaders belong to one accelerator
         _check_not_empty(self.train_dataset, "train_dataset")
         train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
         if len(train_dl) == 0:
@@ -189,6 +192,8 @@ class Trainer:
         self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
             self.model, optimizer, train_dl, scheduler)
         model = self.model_wrapped
+        ops = _step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
+        self.accelerate_wrappers_skipped = ops.plain
 
         self.state = state = TrainerState(max_steps=max_steps, steps_per_epoch=steps_per_epoch,
                                           num_train_epochs=math.ceil(max_steps / steps_per_epoch),
@@ -198,53 +203,58 @@ class Trainer:
         if checkpoint is not None:
             rng_state = self._load_checkpoint(checkpoint)
         self.control = control = TrainerControl()
+        self._checkpoint_writer = runs.CheckpointWriter()
         handler = self._handler
         handler.fire("on_train_begin", args, state, control)
 
         epochs_done, skip_steps = divmod(state.global_step, steps_per_epoch)
+        batches_per_epoch = len(train_dl)
+        accumulation = args.gradient_accumulation_steps
         running_loss = torch.zeros((), device=acc.device)
         logged_steps = 0
         try:
             for epoch in range(epochs_done, state.num_train_epochs):
                 if hasattr(train_dl, "set_epoch"):
                     train_dl.set_epoch(epoch)
-                loader = train_dl
-                skipped = skip_steps * args.gradient_accumulation_steps if epoch == epochs_done else 0
+                skipped = skip_steps * accumulation if epoch == epochs_done else 0
                 if skipped:  # resuming mid-epoch: the same order, without its first batches
-                    loader = acc.skip_first_batches(train_dl, skipped)
-                batches = iter(loader)
+                    batches = iter(acc.skip_first_batches(train_dl, skipped))
+                else:
+                    batches = ops.batches(train_dl)
                 if rng_state is not None:  # after the iterator drew its seed, as in the original run
                     runs.set_rng_state(rng_state)
                     rng_state = None
                 handler.fire("on_epoch_begin", args, state, control)
                 for micro_step, batch in enumerate(batches):
-                    if micro_step % args.gradient_accumulation_steps == 0:
+                    if micro_step % accumulation == 0:
                         handler.fire("on_step_begin", args, state, control)
-                    with acc.accumulate(model):
+                    with ops.accumulate(model):
                         loss = self.compute_loss(model, batch)
                         handler.fire("on_before_backward", args, state, control)
-                        acc.backward(loss)
+                        ops.backward(loss)
                         handler.fire("on_after_backward", args, state, control)
-                        if acc.sync_gradients:
+                        synced = ops.synced()
+                        if synced:
                             if args.max_grad_norm > 0:
-                                acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                                ops.clip(model.parameters(), args.max_grad_norm)
                             handler.fire("on_before_optimizer_step", args, state, control)
-                        self.optimizer.step()  # accelerate skips it while accumulating
-                        self.lr_scheduler.step()
-                        if acc.sync_gradients:
+                        ops.optimizer_step()  # accelerate skips it while accumulating
+                        ops.scheduler_step()
+                        if synced:
                             handler.fire("on_optimizer_step", args, state, control)
                             # the model's zero_grad: accelerate's optimizer inspects a signature per call
                             model.zero_grad(set_to_none=True)
                     running_loss += loss.detach()
                     logged_steps += 1
-                    if not acc.sync_gradients:
+                    if not synced:
                         handler.fire("on_substep_end", args, state, control)
                         continue
                     state.global_step += 1
-                    state.epoch = epoch + (skipped + micro_step + 1) / len(train_dl)
+                    state.epoch = epoch + (skipped + micro_step + 1) / batches_per_epoch
                     handler.fire("on_step_end", args, state, control)
                     self._flow_on_step(control)
-                    running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
+                    if control.should_log or control.should_evaluate or control.should_save:
+                        running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                     if control.should_training_stop or control.should_epoch_stop:
                         break
                 control.should_epoch_stop = False
@@ -254,7 +264,12 @@ class Trainer:
                 running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                 if control.should_training_stop:
                     break
+            self._checkpoint_writer.wait()
         except BaseException as exc:
+            try:  # an interrupted run keeps the checkpoint it was writing: a resume starts from it
+                self._checkpoint_writer.wait()
+            except Exception as write_error:  # reported with what stopped the run, not instead of it
+                exc.add_note(f"writing a checkpoint failed too: {type(write_error).__name__}: {write_error}")
             handler.fire("on_exception", args, state, control, exception=exc)
             raise
         if args.load_best_model_at_end and state.best_model_checkpoint:
@@ -293,7 +308,7 @@ class Trainer:
             self._track_best(metrics)
         control.should_evaluate = False
         if control.should_save:
-            self.save_checkpoint()
+            self.save_checkpoint(wait=False)
         control.should_save = False
         return running_loss, logged_steps
 
@@ -359,7 +374,16 @@ class Trainer:
                 self.model = self.call_model_init(None)
             self.model_wrapped = acc.prepare(self.model)
         model = self.model_wrapped
-        dl = acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size, shuffle=False))
+        # One prepared loader per dataset and training run: building and preparing it anew cost
+        # every evaluation more than a small model's forward passes (and grew accelerate's list).
+        loaders = self.__dict__.setdefault("_eval_loaders", {})
+        key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
+        if key not in loaders:
+            loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
+                                                                  shuffle=False)))
+        dl = loaders[key][1]
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(0)  # every evaluation reads the data as the first one did
         unwrapped = acc.unwrap_model(model)
         collector = PredictionCollector(
             acc, model=unwrapped, enabled=self.compute_metrics is not None or self._handler.needs_predictions(),
@@ -402,14 +426,24 @@ class Trainer:
     def _checkpoint_dir(self) -> Path:
         return Path(self.args.output_dir) / f"{runs.CHECKPOINT_PREFIX}{self.state.global_step}"
 
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best)."""
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best).
+
+        ``wait=False`` (the training loop's checkpoints) copies the state now and writes it on a
+        background thread, returning before the files are on disk: the next checkpoint and the end
+        of training wait for them. When an ``on_save`` callback reads the folder (by default: see
+        `TrainerCallback.reads_checkpoints`) the checkpoint is written before it is called.
+        """
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
-        runs.write_checkpoint(final, model=self.accelerator.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
-                              scheduler=self.lr_scheduler, state=self.state.to_dict(), args=self.args.to_dict())
+        background = not wait and not self._handler.reads_checkpoints()
+        snapshot = runs.snapshot_checkpoint(model=self.accelerator.unwrap_model(self.model_wrapped),
+                                            optimizer=self.optimizer, scheduler=self.lr_scheduler,
+                                            state=self.state.to_dict(), args=self.args.to_dict(), copy=background)
+        writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
         best = self.state.best_model_checkpoint
-        runs.rotate_checkpoints(final.parent, self.args.save_total_limit, Path(best) if best else None)
+        writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
+                      background=background)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
         return final
 
@@ -492,3 +526,74 @@ def _check_not_empty(dataset: Any, name: str) -> None:
     resolved = resolve_dataset(dataset)
     if hasattr(resolved, "__len__") and len(resolved) == 0:
         raise UserError(f"{name} is empty (0 samples); give it data")
+
+
+class _StepOps(NamedTuple):
+    """How the loop iterates, steps and syncs: accelerate's wrappers, or the objects they wrap."""
+
+    plain: bool
+    batches: Callable[[Any], Any]
+    accumulate: Callable[[Any], Any]
+    backward: Callable[[torch.Tensor], Any]
+    synced: Callable[[], bool]
+    clip: Callable[[Any, float], Any]
+    optimizer_step: Callable[[], Any]
+    scheduler_step: Callable[[], Any]
+
+
+def _step_ops(acc: Any, args: TrainingArguments, optimizer: Any, scheduler: Any, train_dl: Any) -> _StepOps:
+    """The per-step operations of one run.
+
+    On one process, without mixed precision or gradient accumulation, accelerate's wrappers do
+    nothing but bookkeeping: its optimizer and scheduler call the wrapped ones, ``backward``
+    divides the loss by 1, ``clip_grad_norm_`` is torch's, ``accumulate`` always syncs and the
+    prepared loader only looks one batch ahead. That bookkeeping was ~0.2 ms of a 1.7 ms step of a
+    small MLP here, so the plain objects are used directly, with the same look-ahead, and the
+    weights come out bit-identical (tests/test_perf_equivalence.py). Everything else (several
+    processes, fp16/bf16, accumulation, a custom loader) keeps the wrappers; so does
+    ``HPSWEEP_ACCELERATE_WRAPPERS=always``, for comparing the two.
+    """
+    from contextlib import nullcontext
+
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.utils import DistributedType
+
+    plain = (os.environ.get("HPSWEEP_ACCELERATE_WRAPPERS", "").lower() != "always"
+             and acc.distributed_type == DistributedType.NO and acc.num_processes == 1
+             and acc.mixed_precision == "no" and acc.scaler is None and args.gradient_accumulation_steps == 1
+             and type(optimizer) is AcceleratedOptimizer and type(scheduler) is AcceleratedScheduler
+             and type(train_dl) is DataLoaderShard and not train_dl.skip_batches
+             and not getattr(train_dl, "use_stateful_dataloader", False))
+    if not plain:
+        return _StepOps(False, iter, acc.accumulate, acc.backward, lambda: acc.sync_gradients, acc.clip_grad_norm_,
+                        optimizer.step, scheduler.step)
+    # OneCycleLR raises past its total steps; accelerate's scheduler guards that, keep it there.
+    scheduler_step = scheduler.step if hasattr(scheduler.scheduler, "total_steps") else scheduler.scheduler.step
+    return _StepOps(True, _one_ahead, lambda model: nullcontext(), torch.Tensor.backward, lambda: True,
+                    torch.nn.utils.clip_grad_norm_, optimizer.optimizer.step, scheduler_step)
+
+
+def _one_ahead(loader: Any) -> Any:
+    """Batches of a prepared one-process loader as its own iterator yields them: fetched one batch
+    ahead (a dataset that draws random numbers draws them in the same order) and moved to its
+    device, without the per-batch bookkeeping for accumulation and loader state."""
+    from accelerate.utils import send_to_device
+
+    device, non_blocking = loader.device, getattr(loader, "_non_blocking", False)
+    batches = iter(loader.base_dataloader)
+    try:
+        current = next(batches)
+    except StopIteration:
+        return
+    while True:
+        if device is not None:
+            current = send_to_device(current, device, non_blocking=non_blocking)
+        try:
+            upcoming = next(batches)
+        except StopIteration:
+            yield current
+            return
+        yield current
+        current = upcoming

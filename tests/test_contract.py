@@ -128,16 +128,21 @@ def test_n_jobs_workers_die_with_the_command_and_the_rerun_finishes(tmp_path: Pa
 def test_a_killed_worker_costs_only_its_trial(tmp_path: Path) -> None:
     space, out = slow_space(tmp_path), tmp_path / "out"
     proc = start(*cmd("optuna", space, 4, "--n-jobs", "2"))
-    assert wait_for(lambda: len(worker_pids(out)) == 2 and checkpoints_in(out) >= 1), proc.communicate()
-    victim = sorted(worker_pids(out))[0]
+
+    def running_with_a_checkpoint() -> list[runs.TrialRecord]:
+        return [r for r in runs.read_trials(out) if r.state == "running" and runs.checkpoints(Path(r.run_dir))]
+
+    assert wait_for(lambda: len(worker_pids(out)) == 2 and running_with_a_checkpoint()), proc.communicate()
+    victim = running_with_a_checkpoint()[0]
     import os
 
-    os.kill(victim, signal.SIGKILL)
+    os.kill(int(victim.user_attrs["pid"]), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "died" in err and "Traceback" not in err
     assert violations(out, 4) == []
-    assert any(r.attempts == 2 and r.resumed_from for r in runs.read_trials(out))
+    again = next(r for r in runs.read_trials(out) if r.id == victim.id)
+    assert again.attempts == 2 and Path(again.resumed_from).parent == Path(victim.run_dir)
 
 
 def test_ctrl_c_stops_every_n_jobs_worker(tmp_path: Path) -> None:

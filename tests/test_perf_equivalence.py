@@ -1,0 +1,204 @@
+"""The fast paths change how long training takes, never what it produces.
+
+- On one process without mixed precision or accumulation the loop skips accelerate's no-op
+  wrappers; the weights must come out bit-identical to a run through them.
+- Checkpoints are written on a background thread; a resumed run must still reproduce an
+  uninterrupted one bit for bit, every checkpoint must be whole once ``train()`` returns, and a
+  process killed while writing must leave nothing that looks like a checkpoint but is not one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hpsweep
+from hpsweep import runs
+from hpsweep.arguments import TrainingArguments
+from hpsweep.callbacks import TrialReporter
+
+CHECKPOINT_FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                    "training_args.json"}
+
+
+class Data(torch.utils.data.Dataset):
+    """With ``noise``, draws random numbers while loading (augmentation), so a loader that fetched
+    batches in another order relative to the model's dropout would change the result."""
+
+    def __init__(self, n: int, seed: int, noise: float = 0.0) -> None:
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+        self.y = (self.x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).argmax(-1)
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.x[i] + self.noise * torch.randn(8) if self.noise else self.x[i]
+        return {"x": x, "labels": self.y[i]}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def accuracy(p: hpsweep.EvalPrediction) -> dict:
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+
+def make_trainer(out: Path, noise: float = 0.0, **kw) -> hpsweep.Trainer:
+    args = TrainingArguments(output_dir=str(out), num_train_epochs=kw.pop("num_train_epochs", 3),
+                             per_device_train_batch_size=16, learning_rate=kw.pop("learning_rate", 3e-2),
+                             disable_progress=True,
+                             eval_strategy="steps", eval_steps=5, logging_strategy="steps", logging_steps=5, **kw)
+    return hpsweep.Trainer(model_init=Net, args=args, train_dataset=Data(200, 1, noise), eval_dataset=Data(64, 2),
+                           compute_metrics=accuracy)
+
+
+def weights(trainer: hpsweep.Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_skipping_accelerates_noop_wrappers_leaves_training_bit_identical(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = make_trainer(tmp_path / "plain", noise=0.05, save_strategy="steps", save_steps=6)
+    plain.train()
+    assert plain.accelerate_wrappers_skipped
+
+    monkeypatch.setenv("HPSWEEP_ACCELERATE_WRAPPERS", "always")
+    wrapped = make_trainer(tmp_path / "wrapped", noise=0.05, save_strategy="steps", save_steps=6)
+    wrapped.train()
+    assert not wrapped.accelerate_wrappers_skipped
+
+    expected, got = weights(wrapped), weights(plain)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert plain.state.log_history == wrapped.state.log_history  # losses, learning rates, eval metrics
+    for name in ("checkpoint-6", f"checkpoint-{plain.state.global_step}"):
+        a = torch.load(tmp_path / "plain" / name / "optimizer.pt", weights_only=True)["state"]
+        b = torch.load(tmp_path / "wrapped" / name / "optimizer.pt", weights_only=True)["state"]
+        assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in b)
+
+
+@pytest.mark.parametrize("kw", [{"gradient_accumulation_steps": 2}, {"bf16": True}])
+def test_accumulation_and_mixed_precision_keep_accelerates_wrappers(tmp_path: Path, kw: dict) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=1, save_strategy="no", **kw)
+    trainer.train()
+    assert not trainer.accelerate_wrappers_skipped
+    assert trainer.state.global_step == trainer.state.max_steps
+
+
+def test_resume_after_background_checkpoints_is_bit_identical(tmp_path: Path) -> None:
+    # Data without loading noise: accelerate's loader fetches one batch ahead, so a checkpoint's
+    # RNG state already includes the next batch's draws, with or without these fast paths.
+    full = make_trainer(tmp_path / "full", save_strategy="steps", save_steps=4)
+    full.train()
+    expected = weights(full)
+    saved = runs.checkpoints(tmp_path / "full")
+    assert [p.name for p in saved] == [f"checkpoint-{s}" for s in (*range(4, 37, 4), 39)]  # and the last step
+    for folder in saved:  # whole as soon as train() returned: nothing was still being written
+        assert {p.name for p in folder.iterdir()} == CHECKPOINT_FILES
+    for step in (4, 16):  # mid-epoch and in a later epoch (13 steps per epoch)
+        resumed = make_trainer(tmp_path / f"r{step}", save_strategy="steps", save_steps=4)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
+        got = weights(resumed)
+        assert all(torch.equal(expected[k], got[k]) for k in expected), step
+        evals = [[h for h in t.state.log_history if "eval_loss" in h] for t in (resumed, full)]
+        assert evals[0] == evals[1]  # every evaluation, before and after the resume point
+
+
+def test_background_rotation_keeps_the_limit_and_the_best(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=5, save_total_limit=2,
+                           metric_for_best_model="eval_loss", greater_is_better=False, learning_rate=1.0)
+    trainer.train()
+    kept = [p.name for p in runs.checkpoints(tmp_path)]
+    best = Path(trainer.state.best_model_checkpoint).name
+    assert trainer.state.global_step == 39  # checkpoints at 5, 10, ..., 35 and the last step
+    assert kept[-2:] == ["checkpoint-35", "checkpoint-39"] and best in kept and len(kept) <= 3
+
+
+class NotesPaths(hpsweep.Trial):
+    """A backend that only records where each evaluation's checkpoint is (as Optuna could)."""
+
+    reads_checkpoints = False
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.paths: list[str | None] = []
+
+    def report(self, step, metrics, objective, checkpoint=None) -> None:
+        self.paths.append(checkpoint)
+
+
+def test_checkpoints_a_trial_was_told_of_are_whole_when_training_returns(tmp_path: Path) -> None:
+    trial = NotesPaths()
+    reporter = TrialReporter(trial, lambda m: m["eval_accuracy"])
+    trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=5)
+    trainer.add_callback(reporter)
+    assert not trainer._handler.reads_checkpoints()  # so the loop's checkpoints are written in the background
+    trainer.train(trial=trial)
+    assert len(trial.paths) == 7 and all(trial.paths)  # evaluations at steps 5, 10, ..., 35
+    for path in trial.paths:
+        assert {p.name for p in Path(path).iterdir()} == CHECKPOINT_FILES
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_the_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the run's checkpoints should go")
+    trainer = make_trainer(blocker, num_train_epochs=1, save_strategy="steps", save_steps=3)
+    with pytest.raises(OSError):
+        trainer.train()
+
+
+KILLED_RUN = '''
+import sys, torch
+from torch import nn
+import hpsweep
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(4096, 256), torch.randint(0, 4, (4096,)))
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 4))
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.net(x), labels)
+args = hpsweep.TrainingArguments(output_dir=sys.argv[1], max_steps=100000, save_strategy="steps", save_steps=1,
+                                 save_total_limit=4, eval_strategy="no", logging_strategy="no",
+                                 per_device_train_batch_size=8, disable_progress=True)
+hpsweep.Trainer(model_init=Wide, args=args, train_dataset=data).train()
+'''
+
+
+def test_a_process_killed_while_writing_leaves_only_whole_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(out)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while len(runs.checkpoints(out)) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.13)  # somewhere in the middle of the next write
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    found = runs.checkpoints(out)
+    assert len(found) >= 3
+    for folder in found:
+        assert {p.name for p in folder.iterdir()} == CHECKPOINT_FILES
+        state = runs.read_json(folder / "trainer_state.json")
+        assert state["global_step"] == int(folder.name.split("-")[1])
+    runs.recover_interrupted_swaps(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in found)  # temporaries gone
