@@ -1,0 +1,63 @@
+"""Everything a sweep writes to disk: run folders, checkpoints, trial records and the best run.
+
+Layout (``DIR`` is ``--output-dir``)::
+
+    DIR/run-<id>/checkpoint-<step>/   model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth,
+                                      trainer_state.json, training_args.json (+ config.json)
+    DIR/run-<id>/trial.json           the `TrialRecord`
+    DIR/best/                         the best run's checkpoint, with README.md
+    DIR/best_run.json                 the `BestRun` (a list of them for multi-objective sweeps)
+
+Every file and folder is written under a temporary name and renamed into place, so a crash
+leaves either the old version or the new one, never half of one. One responsibility a private
+module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (checkpoint
+folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``).
+"""
+from ._atomic import atomic_dir, read_json, recover_interrupted_swaps, write_json, write_text
+from ._checkpoints import (
+    CHECKPOINT_PREFIX,
+    CheckpointSnapshot,
+    CheckpointWriter,
+    checkpoints,
+    latest_checkpoint,
+    load_weights,
+    read_checkpoint,
+    rng_state,
+    rotate_checkpoints,
+    save_weights,
+    set_rng_state,
+    snapshot_checkpoint,
+    write_checkpoint,
+    write_snapshot,
+)
+from ._records import (
+    BEST_DIR,
+    BEST_FILE,
+    FINAL_STATES,
+    RESERVED,
+    STATES,
+    TRIAL_FILE,
+    BestRun,
+    TrialRecord,
+    best_records,
+    best_run_readme,
+    dominates,
+    is_better,
+    params_json,
+    promote_if_best,
+    read_best,
+    read_trials,
+    run_dir_for,
+    safe_name,
+    trial_files,
+)
+
+__all__ = [
+    "atomic_dir", "read_json", "recover_interrupted_swaps", "write_json", "write_text",
+    "CHECKPOINT_PREFIX", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
+    "load_weights", "read_checkpoint", "rng_state", "rotate_checkpoints", "save_weights", "set_rng_state",
+    "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
+    "BEST_DIR", "BEST_FILE", "FINAL_STATES", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialRecord",
+    "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best", "read_best",
+    "read_trials", "run_dir_for", "safe_name", "trial_files",
+]

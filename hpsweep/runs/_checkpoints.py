@@ -1,0 +1,252 @@
+"""Checkpoint folders: writing them atomically (on a background thread when training may go on),
+reading them back without pickle, rotating them, and the RNG state they carry."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+import time
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._atomic import _json_default, atomic_dir, read_json
+
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (temporary folders are never listed)."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir()
+             if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``limit``, never ``keep`` (the run's best)."""
+    if limit is None:
+        return []
+    found = checkpoints(run_dir)
+    newest = found[-limit:]
+    doomed = [p for p in found if p not in newest and (keep is None or p.resolve() != keep.resolve())]
+    for path in doomed:
+        # Renamed out of the listing first: a crash halfway through deleting must not leave a
+        # checkpoint-<step> with files missing (recover_interrupted_swaps clears the leftover).
+        trash = path.with_name(f".{path.name}.tmp-rotated{time.monotonic_ns()}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None) -> None:
+    """Model weights as safetensors; Hugging Face models also write their config.json.
+
+    ``state_dict`` (a `snapshot_checkpoint` copy) is written instead of the model's live weights.
+    """
+    if hasattr(model, "save_pretrained") and hasattr(model, "config"):
+        extra = {} if state_dict is None else {"state_dict": dict(state_dict)}
+        model.save_pretrained(folder, safe_serialization=True, **extra)
+    else:
+        from safetensors.torch import save_model
+
+        # save_model reads nothing but .state_dict(): a snapshot goes through the same
+        # de-duplication of tied weights as the live model.
+        source = model if state_dict is None else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
+        save_model(source, str(folder / "model.safetensors"))
+
+
+def load_weights(model: Any, folder: Path) -> None:
+    """Load weights written by `save_weights` into ``model`` (no pickle involved)."""
+    from safetensors.torch import load_model
+
+    path = folder / "model.safetensors"
+    if path.exists():
+        load_model(model, str(path))
+        return
+    index = folder / "model.safetensors.index.json"
+    if index.exists():  # sharded Hugging Face checkpoint
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = {}
+        for shard in sorted(set(read_json(index)["weight_map"].values())):
+            state.update(load_file(str(folder / shard)))
+        model.load_state_dict(state, strict=False)
+        return
+    raise FileNotFoundError(f"{folder} holds no model.safetensors")
+
+
+@dataclass
+class CheckpointSnapshot:
+    """What a checkpoint holds, copied (tensors to the CPU) so that training can go on while it is
+    written: the files are those a write at the moment of the copy would have produced."""
+
+    model: Any  # for save_pretrained and its config; its live weights are read only without a copy
+    weights: dict[str, Any] | None  # None: no copy, the model's weights as they are when written
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]
+    args: dict[str, Any]
+
+
+def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
+                        args: Mapping[str, Any], copy: bool = True) -> CheckpointSnapshot:
+    """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
+    tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
+    live state and must be written before training goes on."""
+    if not copy:
+        return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
+                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args))
+    memo: dict[Any, Any] = {}
+    return CheckpointSnapshot(model=model, weights=_cpu_copy(model.state_dict(), memo),
+                              optimizer=_cpu_copy(optimizer.state_dict(), memo),
+                              scheduler=_cpu_copy(scheduler.state_dict(), memo), rng=rng_state(),
+                              state=_cpu_copy(dict(state), memo), args=_cpu_copy(dict(args), memo))
+
+
+def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
+    """A deep copy with tensors detached and copied to the CPU; views of one storage with one
+    shape (tied weights) stay one tensor, so saving de-duplicates them as before."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype,
+               str(value.device))
+        if key not in memo:
+            memo[key] = value.detach().to("cpu", copy=True)
+        return memo[key]
+    if type(value) is dict:
+        return {k: _cpu_copy(v, memo) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_cpu_copy(v, memo) for v in value)
+    return copy.deepcopy(value)
+
+
+def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
+    """Write a whole checkpoint folder atomically: weights (safetensors), optimizer, scheduler and
+    RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them),
+    trainer_state.json and training_args.json."""
+    import torch
+
+    with atomic_dir(final) as tmp:
+        save_weights(snapshot.model, tmp, snapshot.weights)
+        torch.save(snapshot.optimizer, tmp / "optimizer.pt")
+        torch.save(snapshot.scheduler, tmp / "scheduler.pt")
+        torch.save(snapshot.rng, tmp / "rng_state.pth")
+        # Plain writes: the folder is renamed into place as a whole, its files need no renames of their own.
+        for name, data in (("trainer_state.json", snapshot.state), ("training_args.json", snapshot.args)):
+            (tmp / name).write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    return final
+
+
+def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
+                     args: Mapping[str, Any]) -> Path:
+    """Write a checkpoint of the objects as they are now, on this thread (see `write_snapshot`)."""
+    return write_snapshot(final, snapshot_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler,
+                                                     state=state, args=args, copy=False))
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, one at a time and in order, each followed by its
+    rotation. `submit` waits for the previous write first (one snapshot in memory at most; rotation
+    sees every earlier checkpoint). `wait` returns once all is on disk and raises what a write
+    raised. Not a daemon: an interpreter that exits (Ctrl-C) finishes the write; a killed process
+    leaves a temporary folder, which no listing takes for a checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def submit(self, final: Path, snapshot: CheckpointSnapshot, *, limit: int | None, keep: Path | None,
+               background: bool = True) -> None:
+        """Write ``snapshot`` to ``final``, then rotate. ``background=False`` writes on this thread
+        (after pending writes): a caller that must wait anyway saves the thread hand-off, which a
+        busy machine can make cost milliseconds."""
+        self.wait()
+        if not background:
+            write_snapshot(final, snapshot)
+            rotate_checkpoints(final.parent, limit, keep)
+            return
+
+        def job() -> None:
+            try:
+                write_snapshot(final, snapshot)
+                rotate_checkpoints(final.parent, limit, keep)
+            except BaseException as exc:  # raised on the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=job, name=f"hpsweep-write-{final.name}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], Any]:
+    """Load a checkpoint written by `write_checkpoint` into the given objects (never with pickle).
+
+    Returns the trainer state (a dict) and the RNG state, which the caller restores when the
+    resumed run reaches the point the checkpoint was taken at (`set_rng_state`).
+    """
+    import torch
+
+    load_weights(model, folder)
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    return read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy, torch (and CUDA) RNG states as tensors and plain numbers."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                       "has_gauss": has_gauss, "cached": cached}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
