@@ -15,7 +15,7 @@ from conftest import hpsweep_cli, write_space
 
 SECRET_PARAM = "hf_paramSECRETparamSECRET123456"
 SECRET_ENV = "hf_envSECRETenvSECRETenvSECRET99"
-SPACE = ('{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8), '
+SPACE = ('{"learning_rate": hpsweep.Float(1e-5, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8), '
          f'"hub_token": hpsweep.Categorical([{SECRET_PARAM!r}])}}')
 EVAL_EACH_EPOCH = ', eval_strategy="epoch", save_strategy="epoch"'
 
@@ -60,10 +60,12 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def tracked_sweep(mlflow_server: str, tmp_path_factory: pytest.TempPathFactory):
-    """Six trials, three evaluations each, median pruning, logged to the server."""
+    """Six trials, three evaluations each, median pruning, logged to the server. Random sampling
+    over a wide learning-rate range (seed 1) makes some trials bad enough to be pruned before
+    their last evaluation, which is never offered for pruning."""
     folder = tmp_path_factory.mktemp("sweep")
     space = write_space(folder, space=SPACE, epochs=3, extra_args=EVAL_EACH_EPOCH)
-    proc = hpsweep_cli("run", space, "--n-trials", "6", "--seed", "0", "--mlflow", mlflow_server, "--mlflow-log-best",
+    proc = hpsweep_cli("run", space, "--n-trials", "6", "--seed", "1", "--sampler", "random", "--mlflow", mlflow_server, "--mlflow-log-best",
                        env={"HF_TOKEN": SECRET_ENV, "MY_SERVICE_PASSWORD": SECRET_ENV + "pw"}, check=True)
     from mlflow.tracking import MlflowClient
 
