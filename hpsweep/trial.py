@@ -6,7 +6,7 @@ it runs under. Backends subclass `Trial` in their own module.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence
 from typing import Any
 
 from .errors import UserError
@@ -63,6 +63,26 @@ class Trial:
             f"trial.suggest_*({name!r}) asks for a new parameter, but the {self.backend} backend "
             f"cannot sample define-by-run; declare {name!r} in `space` or use --backend optuna"
         )
+
+    # Hugging Face's Ray and W&B integrations hand model_init(trial) and hp_name(trial) the params
+    # as a dict: code written that way (``trial["learning_rate"]``) runs unchanged.
+    def __getitem__(self, name: str) -> Any:
+        return self.params[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.params
+
+    def __iter__(self) -> Iterator[str]:  # else Python would iterate through __getitem__(0), (1), ...
+        return iter(self.params)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.params.get(name, default)
+
+    def keys(self) -> KeysView[str]:
+        return self.params.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.params.items()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(number={self.number}, params={self.params})"
