@@ -39,6 +39,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import secrets
 import signal
 import threading
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from ray import tune
+from ray.tune.search import Searcher
+from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.tune.search.optuna import OptunaSearch
 from ray.tune.search.sample import Domain
 
@@ -57,7 +60,7 @@ from ..errors import UserError
 from ..ledger import AGAIN
 from ..space import Categorical, Distribution, Float, Int
 from ._base import Backend, SearchSettings
-from ._ray_cluster import collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value
+from ._ray_cluster import collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value, stop_file
 from ._ray_trial import AGAIN_KEY, FAILED_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_trial
 
 EXPERIMENT_DIR = ".ray"
@@ -186,6 +189,7 @@ class RayBackend(Backend):
         pickle_space_modules_by_value()
         with connected(self.settings.address, self.resources["cpu"]), _SigtermStopsTune() as signals, \
                 output_dir_marker(self.settings.output_dir) as marker:
+            signals.stop_file = stop_file(self.settings.output_dir, marker)
             deadline = None if loop.deadline is None else time.time() + (loop.deadline - time.monotonic())
             plan = RoundPlan(marker=marker, n_trials=self.settings.n_trials, started=loop.started,
                              max_failed_trials=self.settings.max_failed_trials, deadline=deadline,
@@ -233,21 +237,19 @@ class RayBackend(Backend):
         single = not s.multi_objective
         first = 1 + max([r.number for r in records] + [_lease_number(lease) for lease in live], default=-1)
         if plan.again:  # the trials to run again, as they are: no searcher, no scheduler
-            from ray.tune.search.basic_variant import BasicVariantGenerator
-
             numbers = {r["id"]: r["number"] for r in plan.again.values()}
             param_space: dict[str, Any] = {AGAIN_KEY: tune.grid_search(sorted(plan.again))}
-            search_alg, scheduler, samples = BasicVariantGenerator(max_concurrent=s.n_jobs), None, 1
+            search_alg, scheduler, samples = _VariantGenerator(None, max_concurrent=s.n_jobs), None, 1
             namer = _TrialNamer(first, offset=0, numbers=numbers)
         else:
             param_space, samples = self.param_space, new
-            search_alg, scheduler = self._search_alg(records), self._scheduler(plan.budget)
+            search_alg, scheduler = self._search_alg(records, plan.deadline), self._scheduler(plan.budget)
             namer = _TrialNamer(first, offset=1 if self.sampler_name == "tpe" else 0)
         tune_config = tune.TuneConfig(
             metric=METRIC if single else None, mode=_mode(s.directions[0]) if single else None,
             search_alg=search_alg, scheduler=scheduler, num_samples=samples, max_concurrent_trials=s.n_jobs,
             reuse_actors=self.reuse_actors, trial_name_creator=namer, trial_dirname_creator=namer)
-        stopper = _StopOnUserError()
+        stopper = _StopOnUserError(signals.stop_file)
         run_config = tune.RunConfig(
             name=f"{s.study_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path, verbose=0, stop=stopper,
@@ -261,14 +263,12 @@ class RayBackend(Backend):
         collect_shipped_runs(trials, s.output_dir)
         self._reconcile(ledger, trials, results, stopper, signals)
 
-    def _search_alg(self, records: list[runs.TrialRecord]) -> Any:
+    def _search_alg(self, records: list[runs.TrialRecord], deadline: float | None) -> Any:
         s = self.settings
         seed = None if s.seed is None else s.seed + len(records)  # a later round draws other params
         if self.sampler_name == "random":
-            from ray.tune.search.basic_variant import BasicVariantGenerator
-
             # Tune ignores max_concurrent_trials for a variant generator it did not make itself.
-            return BasicVariantGenerator(random_state=seed, max_concurrent=s.n_jobs)
+            return _VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
         import optuna
 
         from ._optuna import OptunaTrial
@@ -286,7 +286,7 @@ class RayBackend(Backend):
             points, rewards = _warm_start(self.param_space, records)
         metrics = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
         modes = None if not s.multi_objective else [_mode(d) for d in s.directions]
-        return _OptunaSearch(space=space, metric=metrics, mode=modes, sampler=optuna.samplers.TPESampler(seed=seed),
+        return _OptunaSearch(deadline, space=space, metric=metrics, mode=modes, sampler=optuna.samplers.TPESampler(seed=seed),
                              points_to_evaluate=points, evaluated_rewards=rewards)
 
     def _scheduler(self, budget: int | None) -> Any:
@@ -365,9 +365,33 @@ class RayBackend(Backend):
             raise Interrupted(signals.signum)
 
 
+# Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
+# trials left ends when its running trials do, not after Tune started each of them for nothing.
+
+class _VariantGenerator(BasicVariantGenerator):
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def next_trial(self) -> Any:
+        if self.deadline is not None and time.time() >= self.deadline:
+            self.set_finished()
+            return None
+        return super().next_trial()
+
+
 class _OptunaSearch(OptunaSearch):
     """Tune's `OptunaSearch`, told a trial that gave no result (failed, or never ran: the ledger
     had enough) as FAIL, which TPE ignores, rather than as a result (its stand-in objective)."""
+
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if self.deadline is not None and time.time() >= self.deadline:
+            return Searcher.FINISHED  # type: ignore[return-value]
+        return super().suggest(trial_id)
 
     def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
         if _has_result(result, self.metric):
@@ -387,12 +411,14 @@ def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -
 class _StopOnUserError(tune.Stopper):
     """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_file: Path) -> None:
+        self.stop_file = stop_file
         self.stopped_at: float | None = None
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
         if USER_ERROR_KEY in result and self.stopped_at is None:
             self.stopped_at = time.time()
+            self.stop_file.touch()
         return self.stopped_at is not None
 
     def stop_all(self) -> bool:
@@ -407,6 +433,7 @@ class _SigtermStopsTune:
     def __init__(self) -> None:
         self.signum = signal.SIGINT
         self.stopped_at: float | None = None  # when Tune began to stop the round on a signal
+        self.stop_file = Path(os.devnull)  # set per command: see _ray_cluster.stop_file
         self._in_tune = False
         self._logger = logging.getLogger("ray.tune.tune")
 
@@ -456,6 +483,7 @@ class _InterruptWatch(logging.Handler):
     def emit(self, record: Any) -> None:
         if "Stop signal received" in record.getMessage() and self.signals.stopped_at is None:
             self.signals.stopped_at = time.time()
+            self.signals.stop_file.touch()
 
 
 class _TrialNamer:

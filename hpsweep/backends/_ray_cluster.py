@@ -240,11 +240,19 @@ def output_dir_marker(output_dir: Path) -> Iterator[str]:
         yield token
     finally:
         path.unlink(missing_ok=True)
+        stop_file(output_dir, token).unlink(missing_ok=True)
 
 
 def sees_output_dir(output_dir: Path, marker: str) -> bool:
     """Whether this node sees the driver's ``--output-dir`` (and may write and lock there)."""
     return not os.environ.get(LOCAL_RUNS_ENV) and (output_dir / f"{MARKER_PREFIX}{marker}").exists()
+
+
+def stop_file(output_dir: Path, marker: str) -> Path:
+    """Written by the driver when it stops a round (Ctrl-C, SIGTERM, a user error): Tune stops a
+    trial the same way whether its scheduler prunes it or the sweep stops, and a trial that finds
+    this file knows that it was cut short, not pruned."""
+    return output_dir / f"{MARKER_PREFIX}{marker}.stop"
 
 
 class NodeLocalRuns:

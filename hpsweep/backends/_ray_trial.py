@@ -36,7 +36,7 @@ from ..errors import TrialPruned, UserError
 from ..ledger import AGAIN, Claim, Lease, Ledger
 from ..trial import Trial
 from ._base import TrialFailed
-from ._ray_cluster import WORKER_ENV, NodeLocalRuns, sees_output_dir
+from ._ray_cluster import WORKER_ENV, NodeLocalRuns, sees_output_dir, stop_file
 
 METRIC = "objective"
 #: In the config of a trial of a round of re-runs: the id of the trial to run again.
@@ -76,6 +76,7 @@ class RayTrial(Trial):
         self._budget = budget
         self._stopped = False
         self._detached = False  # Tune has let go of this trial: reporting again would block for ever
+        self.stop_file: Path | None = None  # see _ray_cluster.stop_file
 
     def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
         if self._detached:
@@ -89,6 +90,8 @@ class RayTrial(Trial):
             # Tune stopped the trial and reads no more of its results: any later report would wait
             # for ever on Tune's lock (see train_trial's ending).
             self._detached = True
+            if self.stop_file is not None and self.stop_file.exists():
+                raise SweepStopped("the sweep stopped while the trial ran") from None  # recorded as stopped
             # A stop at the last evaluation of the budget is the scheduler ending a finished trial.
             self._stopped = self._budget is None or step < self._budget
 
@@ -98,6 +101,10 @@ class RayTrial(Trial):
     @property
     def detached(self) -> bool:
         return self._detached
+
+
+class SweepStopped(KeyboardInterrupt):
+    """Tune stopped the trial because the driver stopped the sweep: the trial runs again later."""
 
 
 def worst(directions: list[str]) -> dict[str, float]:
@@ -126,6 +133,7 @@ def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
         if claimed is None:
             return  # nothing to run: the ledger has enough, the time is up, or another process runs it
         trial, lease = claimed
+        trial.stop_file = stop_file(runner.job.output_dir, plan.marker)
     else:
         local = NodeLocalRuns(runner, plan.marker, ctx)
         runner, lease = local.runner, None
@@ -136,7 +144,23 @@ def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
 
 def _claim(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], again_id: str | None,
            plan: RoundPlan) -> tuple[RayTrial, Lease] | None:
-    """The trial to run and its lease, taken under the ledger's lock; None when there is none."""
+    """The trial to run and its lease, taken under the ledger's lock; None when there is none.
+
+    A trial Tune starts once more may find its previous run still recording its end on another
+    actor (a PBT exploit): it waits for that, as long as Tune's own reset_config() would.
+    """
+    patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
+    while True:
+        claimed = _claim_once(ledger, tune_id, hint, params, again_id, plan)
+        if claimed != "busy":
+            return claimed  # type: ignore[return-value]
+        if time.monotonic() > patience:
+            return None
+        time.sleep(0.2)
+
+
+def _claim_once(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], again_id: str | None,
+                plan: RoundPlan) -> tuple[RayTrial, Lease] | str | None:
     with ledger.locked():
         ledger.reap()
         earlier = next((r for r in runs.read_trials(ledger.output_dir) if r.id == tune_id), None)
@@ -149,6 +173,8 @@ def _claim(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], agai
             assert again is not None
             trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
         elif earlier is not None:  # Tune starts this trial once more: a retry, or a paused trial resumed
+            if earlier.state == "running":
+                return "busy"
             claim = ledger.claim_trial(tune_id, states=(AGAIN, "pruned"))
             if claim is None:
                 return None
@@ -209,7 +235,7 @@ def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRu
             earlier = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
             try:
                 runner(trial)
-            except TrialPruned:
+            except (TrialPruned, SweepStopped):
                 pass
             except TrialFailed:
                 failed = True
