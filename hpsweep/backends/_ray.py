@@ -26,8 +26,10 @@ that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*`
 (``{"learning_rate": tune.loguniform(1e-5, 1e-3)}``); ``model_init(trial)`` and ``hp_name(trial)``
 may index the trial like a dict (``trial["learning_rate"]``).
 
-Two private modules beside this one carry the rest: `._ray_trial` (what runs on the workers) and
-`._ray_cluster` (joining a cluster, nodes without ``--output-dir``).
+This module holds the backend's settings and the rounds; three private helpers beside it carry
+the rest: `._ray_search` (the space, search algorithms and schedulers in Tune's terms),
+`._ray_trial` (what runs on the workers) and `._ray_cluster` (joining a cluster, nodes
+without ``--output-dir``).
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
@@ -44,71 +46,25 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ray import tune
-from ray.tune.search import Searcher
-from ray.tune.search.basic_variant import BasicVariantGenerator
-from ray.tune.search.optuna import OptunaSearch
-from ray.tune.search.sample import Domain
 
 from .. import runs
 from ..arguments import FIELD_NAMES, apply_params
 from ..errors import UserError
 from ..ledger import AGAIN
-from ..space import Categorical, Distribution, Float, Int
+from ..space import Float, Int
 from ._base import Backend, SearchSettings
 from ._ray_cluster import collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value, stop_file
-from ._ray_trial import AGAIN_KEY, FAILED_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_trial
+from ._ray_search import VariantGenerator, mode, native_space, scheduler, search_algorithm, tune_space
+from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_trial
 
 EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
 DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died before it is recorded failed
-
-
-# --- the space, in Tune's terms -------------------------------------------------------------------
-
-def tune_domain(dist: Distribution) -> Any:
-    """A backend-neutral distribution as a Ray Tune search-space domain (same bounds, both included)."""
-    if isinstance(dist, Float):
-        if dist.log:
-            return tune.loguniform(dist.low, dist.high)
-        if dist.step is not None:  # Tune quantises to multiples of q; off-grid bounds need a choice
-            aligned = abs(dist.low / dist.step - round(dist.low / dist.step)) < 1e-9
-            return tune.quniform(dist.low, dist.high, dist.step) if aligned else tune.choice(dist.grid())
-        return tune.uniform(dist.low, dist.high)
-    if isinstance(dist, Int):
-        if dist.log:
-            return tune.lograndint(dist.low, dist.high + 1)
-        if dist.step == 1:
-            return tune.randint(dist.low, dist.high + 1)
-        return tune.qrandint(dist.low, dist.high, dist.step) if dist.low % dist.step == 0 else tune.choice(dist.grid())
-    assert isinstance(dist, Categorical)
-    return tune.choice(list(dist.choices))
-
-
-def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
-    return {name: tune_domain(dist) for name, dist in space.items()}
-
-
-def native_space(hp_space: Callable[[Any], Any] | None) -> dict[str, Any] | None:
-    """What ``hp_space(None)`` returns when it is a dict of Ray Tune domains (Hugging Face calls a
-    Ray ``hp_space`` so), else None: the function is define-by-run."""
-    if hp_space is None:
-        return None
-    try:
-        space = hp_space(None)
-    except Exception:  # define-by-run: it calls trial.suggest_*
-        return None
-    if not isinstance(space, dict) or not any(_is_domain(v) for v in space.values()):
-        return None
-    return dict(space)
-
-
-def _is_domain(value: Any) -> bool:
-    return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -142,7 +98,8 @@ class RayBackend(Backend):
         if settings.hp_space is not None and self.native is None and self.sampler_name != "tpe":
             raise UserError("a define-by-run hp_space runs on the ray backend only with --sampler tpe; "
                             "use --sampler tpe or declare a `space` dict")
-        if self.native is not None and self.sampler_name == "tpe" and any(isinstance(v, dict) for v in self.native.values()):
+        grid = self.native is not None and any(isinstance(v, dict) for v in self.native.values())
+        if grid and self.sampler_name == "tpe":
             raise UserError("hp_space uses tune.grid_search, which Optuna's TPE cannot sample; use --sampler random")
         if settings.multi_objective and self.scheduler_name != "fifo":
             raise UserError(f"--scheduler {self.scheduler_name} stops trials by one metric; with "
@@ -160,7 +117,7 @@ class RayBackend(Backend):
         if storage and "://" in str(storage):
             self.storage_path = str(storage)
         else:
-            self.storage_path = str(Path(storage).resolve() if storage else settings.output_dir.resolve() / EXPERIMENT_DIR)
+            self.storage_path = str(Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR)
         self.max_failures = int(settings.options.get("max_failures", 1))
         # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
         # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
@@ -187,7 +144,7 @@ class RayBackend(Backend):
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
         runner = self._runner(loop.runner)
         pickle_space_modules_by_value()
-        with connected(self.settings.address, self.resources["cpu"]), _SigtermStopsTune() as signals, \
+        with connected(self.settings.address, self.resources["cpu"]), _StopSignals() as signals, \
                 output_dir_marker(self.settings.output_dir) as marker:
             signals.stop_file = stop_file(self.settings.output_dir, marker)
             deadline = None if loop.deadline is None else time.time() + (loop.deadline - time.monotonic())
@@ -211,7 +168,7 @@ class RayBackend(Backend):
         runner.job = dataclasses.replace(job, hp_space=None)
         return runner
 
-    def _next_round(self, loop: Any, runner: Any, plan: RoundPlan, signals: _SigtermStopsTune) -> bool:
+    def _next_round(self, loop: Any, runner: Any, plan: RoundPlan, signals: _StopSignals) -> bool:
         """Run the next Tune round; False when the ledger needs none."""
         ledger = loop.ledger
         with ledger.locked():
@@ -232,22 +189,24 @@ class RayBackend(Backend):
         return need > 0 or bool(live)
 
     def _round(self, ledger: Any, runner: Any, plan: RoundPlan, records: list[runs.TrialRecord], live: list[Any],
-               signals: _SigtermStopsTune, *, new: int = 0) -> None:
+               signals: _StopSignals, *, new: int = 0) -> None:
         s = self.settings
         single = not s.multi_objective
         first = 1 + max([r.number for r in records] + [_lease_number(lease) for lease in live], default=-1)
         if plan.again:  # the trials to run again, as they are: no searcher, no scheduler
             numbers = {r["id"]: r["number"] for r in plan.again.values()}
             param_space: dict[str, Any] = {AGAIN_KEY: tune.grid_search(sorted(plan.again))}
-            search_alg, scheduler, samples = _VariantGenerator(None, max_concurrent=s.n_jobs), None, 1
+            search_alg, trial_scheduler, samples = VariantGenerator(None, max_concurrent=s.n_jobs), None, 1
             namer = _TrialNamer(first, offset=0, numbers=numbers)
         else:
             param_space, samples = self.param_space, new
-            search_alg, scheduler = self._search_alg(records, plan.deadline), self._scheduler(plan.budget)
+            define_by_run = s.hp_space is not None and self.native is None
+            search_alg = search_algorithm(s, self.sampler_name, param_space, define_by_run, records, plan.deadline)
+            trial_scheduler = scheduler(s, self.scheduler_name, param_space, plan.budget)
             namer = _TrialNamer(first, offset=1 if self.sampler_name == "tpe" else 0)
         tune_config = tune.TuneConfig(
-            metric=METRIC if single else None, mode=_mode(s.directions[0]) if single else None,
-            search_alg=search_alg, scheduler=scheduler, num_samples=samples, max_concurrent_trials=s.n_jobs,
+            metric=METRIC if single else None, mode=mode(s.directions[0]) if single else None,
+            search_alg=search_alg, scheduler=trial_scheduler, num_samples=samples, max_concurrent_trials=s.n_jobs,
             reuse_actors=self.reuse_actors, trial_name_creator=namer, trial_dirname_creator=namer)
         stopper = _StopOnUserError(signals.stop_file)
         run_config = tune.RunConfig(
@@ -263,60 +222,6 @@ class RayBackend(Backend):
         collect_shipped_runs(trials, s.output_dir)
         self._reconcile(ledger, trials, results, stopper, signals)
 
-    def _search_alg(self, records: list[runs.TrialRecord], deadline: float | None) -> Any:
-        s = self.settings
-        seed = None if s.seed is None else s.seed + len(records)  # a later round draws other params
-        if self.sampler_name == "random":
-            # Tune ignores max_concurrent_trials for a variant generator it did not make itself.
-            return _VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
-        import optuna
-
-        from ._optuna import OptunaTrial
-
-        optuna.logging.set_verbosity(optuna.logging.ERROR)
-        space: Callable[[Any], None] | None = None
-        points, rewards = None, None
-        if s.hp_space is not None and self.native is None:
-            hp_space, multi = s.hp_space, s.multi_objective
-
-            def define_by_run(ot_trial: Any) -> None:  # sampled on the driver, replayed on the worker
-                hp_space(OptunaTrial(ot_trial, multi))
-            space = define_by_run
-        elif not s.multi_objective:  # Optuna cannot take earlier results for a define-by-run space
-            points, rewards = _warm_start(self.param_space, records)
-        metrics = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
-        modes = None if not s.multi_objective else [_mode(d) for d in s.directions]
-        return _OptunaSearch(deadline, space=space, metric=metrics, mode=modes, sampler=optuna.samplers.TPESampler(seed=seed),
-                             points_to_evaluate=points, evaluated_rewards=rewards)
-
-    def _scheduler(self, budget: int | None) -> Any:
-        from ray.tune.schedulers import (
-            ASHAScheduler,
-            FIFOScheduler,
-            HyperBandScheduler,
-            PopulationBasedTraining,
-        )
-
-        opts = self.settings.options
-        eta = opts.get("reduction_factor", 3)
-        if self.scheduler_name == "asha":
-            # Rungs at 1, eta, eta^2, ... evaluations; max_t beyond the budget so no trial is cut at its end.
-            return ASHAScheduler(time_attr="training_iteration", grace_period=1, reduction_factor=eta,
-                                 max_t=(budget or 10_000) + 1)
-        if self.scheduler_name == "hyperband":
-            return HyperBandScheduler(time_attr="training_iteration", max_t=budget or 81, reduction_factor=eta)
-        if self.scheduler_name == "pbt":
-            # A checkpoint only loads into the same model: mutate training arguments, keep model params.
-            mutations = {n: d for n, d in self.param_space.items() if n in FIELD_NAMES and isinstance(d, Domain)}
-            if not mutations:
-                raise UserError("--scheduler pbt mutates TrainingArguments fields (learning_rate, weight_decay, ...) "
-                                "and the space has none; add one to the space or use --scheduler asha")
-            # require_attrs: a trial the ledger had no place for ends without any result.
-            return PopulationBasedTraining(time_attr="training_iteration", require_attrs=False,
-                                           perturbation_interval=opts.get("perturbation_interval", 1),
-                                           hyperparam_mutations=mutations)
-        return FIFOScheduler()
-
     def _evaluation_budget(self, runner: Any) -> int | None:
         """How many evaluations a full trial makes, when the arguments say so without the data."""
         if "max_t" in self.settings.options:
@@ -328,13 +233,14 @@ class RayBackend(Backend):
         if "num_train_epochs" in searched and "num_train_epochs" not in space:
             return None  # a Tune domain: its bounds are Tune's business
         epochs = space.get("num_train_epochs")
-        high = epochs.high if isinstance(epochs, (Float, Int)) else max(epochs.choices) if epochs else args.num_train_epochs
+        high = epochs.high if isinstance(epochs, (Float, Int)) else \
+            max(epochs.choices) if epochs else args.num_train_epochs
         return max(1, math.ceil(high))
 
     # --- after a round ------------------------------------------------------------------------------
 
     def _reconcile(self, ledger: Any, trials: list[Any], results: Any, stopper: _StopOnUserError,
-                   signals: _SigtermStopsTune) -> None:
+                   signals: _StopSignals) -> None:
         """Make trial.json say what Tune did where a trial could not say so itself: a trial that
         Tune stopped because the sweep stopped recorded itself ``pruned`` and runs again instead;
         one whose worker died runs again, until it died in `DEATHS_TO_FAIL` rounds (then it failed)."""
@@ -365,49 +271,6 @@ class RayBackend(Backend):
             raise Interrupted(signals.signum)
 
 
-# Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
-# trials left ends when its running trials do, not after Tune started each of them for nothing.
-
-class _VariantGenerator(BasicVariantGenerator):
-    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.deadline = deadline
-
-    def next_trial(self) -> Any:
-        if self.deadline is not None and time.time() >= self.deadline:
-            self.set_finished()
-            return None
-        return super().next_trial()
-
-
-class _OptunaSearch(OptunaSearch):
-    """Tune's `OptunaSearch`, told a trial that gave no result (failed, or never ran: the ledger
-    had enough) as FAIL, which TPE ignores, rather than as a result (its stand-in objective)."""
-
-    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.deadline = deadline
-
-    def suggest(self, trial_id: str) -> dict[str, Any] | None:
-        if self.deadline is not None and time.time() >= self.deadline:
-            return Searcher.FINISHED  # type: ignore[return-value]
-        return super().suggest(trial_id)
-
-    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
-        if _has_result(result, self.metric):
-            super().on_trial_result(trial_id, result)
-
-    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
-        has = _has_result(result, self.metric)
-        super().on_trial_complete(trial_id, result if has else None, error=error or not has)
-
-
-def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -> bool:
-    metrics = metric if isinstance(metric, list) else [metric]
-    return bool(result) and FAILED_KEY not in result and USER_ERROR_KEY not in result and \
-        all(m in result for m in metrics)  # type: ignore[operator]
-
-
 class _StopOnUserError(tune.Stopper):
     """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...)."""
 
@@ -425,7 +288,7 @@ class _StopOnUserError(tune.Stopper):
         return self.stopped_at is not None
 
 
-class _SigtermStopsTune:
+class _StopSignals:
     """Ctrl-C and SIGTERM stop the sweep alike: inside a Tune round, SIGTERM becomes the SIGINT
     that Tune stops its trials on (noticed in Tune's log, as Tune only logs it); between rounds,
     either is an `Interrupted` at once."""
@@ -437,7 +300,7 @@ class _SigtermStopsTune:
         self._in_tune = False
         self._logger = logging.getLogger("ray.tune.tune")
 
-    def __enter__(self) -> _SigtermStopsTune:
+    def __enter__(self) -> _StopSignals:
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -476,7 +339,7 @@ class _SigtermStopsTune:
 class _InterruptWatch(logging.Handler):
     """Notices Tune's graceful stop on Ctrl-C, which Tune reports only as a log warning."""
 
-    def __init__(self, signals: _SigtermStopsTune) -> None:
+    def __init__(self, signals: _StopSignals) -> None:
         super().__init__(logging.WARNING)
         self.signals = signals
 
@@ -503,31 +366,9 @@ class _TrialNamer:
         return f"trial-{self.first + counter - self.offset}-{trial.trial_id}"
 
 
-def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
-    """The complete trials' params and objectives, for Optuna's TPE to start from (those whose
-    params still lie in the space)."""
-    try:
-        dists = OptunaSearch.convert_search_space(param_space)
-    except (ValueError, TypeError):
-        return None, None
-    points, rewards = [], []
-    for r in records:
-        if r.state != "complete" or not isinstance(r.objective, (int, float)) or not set(dists) <= set(r.params):
-            continue
-        try:
-            if all(d._contains(d.to_internal_repr(r.params[n])) for n, d in dists.items()):
-                points.append({n: r.params[n] for n in dists})
-                rewards.append(float(r.objective))
-        except (ValueError, TypeError):
-            continue
-    return (points, rewards) if points else (None, None)
-
-
 def _lease_number(lease: Any) -> int:
     ref = lease.info.get("ref")
     number = ref.get("number") if isinstance(ref, dict) else None
     return number if isinstance(number, int) else -1
 
 
-def _mode(direction: str) -> str:
-    return "max" if direction == "maximize" else "min"
