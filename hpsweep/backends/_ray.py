@@ -56,6 +56,7 @@ from .. import runs
 from ..arguments import FIELD_NAMES, apply_params
 from ..errors import UserError
 from ..ledger import AGAIN
+from ..loop import RESTARTS_PER_WORKER, Interrupted
 from ..space import Float, Int
 from ._base import Backend, SearchSettings
 from ._ray_cluster import collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value, stop_file
@@ -125,6 +126,7 @@ class RayBackend(Backend):
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
         # Rounds in which Tune saw each trial's worker die, in this command.
         self._deaths: collections.Counter[str] = collections.Counter()
+        self._workers_lost = 0  # Tune trials that ended in ERROR (their worker died), in this command
 
     def ask(self, again: Any = None) -> Any:
         raise NotImplementedError("Ray Tune's search algorithm asks inside Tune; RayBackend.run runs the rounds")
@@ -241,23 +243,26 @@ class RayBackend(Backend):
 
     def _reconcile(self, ledger: Any, trials: list[Any], results: Any, stopper: _StopOnUserError,
                    signals: _StopSignals) -> None:
-        """Make trial.json say what Tune did where a trial could not say so itself: a trial that
-        Tune stopped because the sweep stopped recorded itself ``pruned`` and runs again instead;
-        one whose worker died runs again, until it died in `DEATHS_TO_FAIL` rounds (then it failed)."""
+        """Make trial.json say what Tune did where a trial could not say so itself: a trial the
+        sweep's stop cut short runs again, not ``pruned``; a trial whose worker died runs again,
+        unless that happened in `DEATHS_TO_FAIL` rounds (then it failed)."""
         user_error = next((m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None)
-        by_tune = {r.user_attrs.get("ray_trial_id"): r for r in runs.read_trials(ledger.output_dir)}
+        records = {r.id: r for r in runs.read_trials(ledger.output_dir)}
         # Tune stops every trial the same way (SystemExit in tune.report, status TERMINATED),
-        # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut short.
+        # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut
+        # short (a trial that saw the stop file said so itself; one on a node without it could not).
         stops = [t for t in (signals.stopped_at, stopper.stopped_at) if t is not None]
         stopped_at = min(stops) if stops else math.inf
         with ledger.locked():
             for tune_trial in trials:
-                record = by_tune.get(tune_trial.trial_id)
+                died = tune_trial.status == "ERROR"
+                self._workers_lost += died
+                record = records.get(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
                 if record is None:
                     continue
                 if record.state == "pruned" and (record.finished_at or 0) >= stopped_at:
                     record.finish(AGAIN, error="the sweep stopped while it ran")
-                elif tune_trial.status == "ERROR" and record.state in ("running", AGAIN):
+                elif died and record.state in ("running", AGAIN):
                     self._deaths[record.id] += 1
                     if self._deaths[record.id] >= DEATHS_TO_FAIL:
                         record.finish("failed", error=f"its Ray worker died in {self._deaths[record.id]} rounds "
@@ -266,9 +271,10 @@ class RayBackend(Backend):
         if user_error:
             raise UserError(str(user_error))
         if signals.stopped_at is not None:
-            from ..loop import Interrupted
-
             raise Interrupted(signals.signum)
+        if self._workers_lost > RESTARTS_PER_WORKER * self.settings.n_jobs:  # before a trial could even record
+            raise RuntimeError(f"{self._workers_lost} Ray workers died (Tune's trials ended in ERROR); "
+                               "see Ray's logs and the system log (out of memory?)")
 
 
 class _StopOnUserError(tune.Stopper):
@@ -315,8 +321,6 @@ class _StopSignals:
         if self._in_tune:
             signal.raise_signal(signal.SIGINT)
             return
-        from ..loop import Interrupted
-
         raise Interrupted(signal.SIGTERM)
 
     @contextlib.contextmanager
