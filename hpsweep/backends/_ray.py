@@ -106,7 +106,8 @@ class RayBackend(Backend):
             raise UserError(f"--scheduler {self.scheduler_name} stops trials by one metric; with "
                             f"{len(settings.directions)} directions use --scheduler fifo")
         if self.scheduler_name == "pbt" and settings.space is None and self.native is None:
-            raise UserError("--scheduler pbt mutates a `space` dict; declare `space` instead of hp_space")
+            raise UserError("--scheduler pbt mutates a `space` dict (or an hp_space of Ray Tune domains); "
+                            "declare `space` instead of a define-by-run hp_space")
         resources = dict(settings.resources_per_trial)
         unknown = sorted(set(resources) - {"cpu", "gpu"})
         if unknown:
