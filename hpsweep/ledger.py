@@ -213,12 +213,41 @@ class Ledger:
         records = runs.read_trials(self.output_dir)
         again = next((r for r in records if r.state == AGAIN), None)
         if again is not None:
-            lease = Lease(self.lease_dir)
-            lease.bind(again.id)
-            again.state = "running"
-            again.save()
-            return Claim(lease, again)
+            return self._lease_again(again)
+        return self.claim_new(records)
+
+    def claim_new(self, records: list[runs.TrialRecord] | None = None) -> Claim | str:
+        """A lease for a new trial only, or ``"wait"`` / ``"done"`` as `claim` says. Call it holding
+        `locked`.
+
+        For a backend whose own scheduler hands out the trials to run again (Ray Tune runs them in
+        a round of their own, so its searcher never sees a result for params it did not suggest):
+        trials waiting to run again keep their places in the count, so they still run.
+        """
+        records = runs.read_trials(self.output_dir) if records is None else records
         live = sum(1 for lease in self.leases() if lease.alive())
-        if self.n_trials is not None and self.finished(records) + live >= self.n_trials:
-            return "wait" if live else "done"
+        waiting = sum(1 for r in records if r.state == AGAIN)
+        if self.n_trials is not None and self.finished(records) + live + waiting >= self.n_trials:
+            return "wait" if live or waiting else "done"
         return Claim(Lease(self.lease_dir))
+
+    def claim_trial(self, trial_id: str, states: tuple[str, ...] = (AGAIN,)) -> Claim | None:
+        """A lease to run the trial ``trial_id`` again, if its record is in one of ``states``;
+        None when it is unknown, runs under a live lease or is in another state. Call it holding
+        `locked` (after `reap`, so a ``running`` record has a live lease).
+
+        For a backend that picks which trial runs again itself: Ray Tune retries a trial whose
+        worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
+        Running again takes the trial out of the finished count until it ends again.
+        """
+        record = next((r for r in runs.read_trials(self.output_dir) if r.id == str(trial_id)), None)
+        if record is None or record.state not in states:
+            return None
+        return self._lease_again(record)
+
+    def _lease_again(self, record: runs.TrialRecord) -> Claim:
+        lease = Lease(self.lease_dir)
+        lease.bind(record.id)
+        record.state = "running"
+        record.save()
+        return Claim(lease, record)

@@ -57,6 +57,8 @@ class TrialLoop:
         self.ledger = Ledger(settings.output_dir, settings.n_trials)
         self.started = time.time()
         self.deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
+        #: The same moment as wall-clock time, for processes on other hosts (Ray workers).
+        self.deadline_wall = None if settings.timeout is None else self.started + settings.timeout
 
     # --- one process ----------------------------------------------------------------------------------
 
@@ -78,7 +80,7 @@ class TrialLoop:
                     continue
                 assert isinstance(claim, Claim) and trial is not None
                 self._run(backend, trial, claim)
-                self._check_failures()
+                self.check_failures()
         finally:
             backend.close()
 
@@ -114,7 +116,8 @@ class TrialLoop:
         finally:
             claim.lease.release()
 
-    def _check_failures(self) -> None:
+    def check_failures(self) -> None:
+        """End the sweep in one line once ``max_failed_trials`` trials of this command failed."""
         failed = self.ledger.failures_since(self.started)
         limit = self.settings.max_failed_trials
         if len(failed) >= limit:

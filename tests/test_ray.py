@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +53,7 @@ def _stop_processes_under(marker: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(list(everything.values()), timeout=10)
+    _, alive = psutil.wait_procs(list(everything.values()), timeout=3)  # some of Ray's ignore SIGTERM
     for p in alive:
         try:
             p.kill()
@@ -94,6 +94,22 @@ def _ray_sweep(cluster: Cluster, space: Path, out: Path, *extra: str, timeout: f
                        "--resources-per-trial", "cpu=1", *extra, env=cluster.env, timeout=timeout)
 
 
+# A model that trains slowly while the flag file next to the space file exists: the first command
+# is stopped mid-trial, the rerun (flag gone) finishes quickly.
+SLOW_MODEL_INIT = """
+import pathlib, time
+
+class SlowNet(Net):
+    def forward(self, x, labels):
+        if pathlib.Path(__file__).with_name("slow").exists():
+            time.sleep(0.15)
+        return super().forward(x, labels)
+
+def model_init(trial):
+    return SlowNet(hidden=trial.params["hidden"])
+"""
+
+
 def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Cluster, tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=3)
     out = tmp_path / "ray-out"
@@ -123,7 +139,8 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
     visible = lambda d: {p.name if not p.name.startswith("run-") else "run-*" for p in d.iterdir()  # noqa: E731
                          if not p.name.startswith(".")}
     assert visible(out) == visible(optuna_out) - {"study.db"}
-    ray_run, optuna_run = Path(records[0].run_dir), Path(runs.read_trials(optuna_out)[0].run_dir)
+    complete = next(r for r in records if r.state == "complete")  # as the Optuna trial: no pruner stopped it
+    ray_run, optuna_run = Path(complete.run_dir), Path(runs.read_trials(optuna_out)[0].run_dir)
     assert {p.name for p in ray_run.iterdir()} == {p.name for p in optuna_run.iterdir()}
     assert {p.name for p in runs.latest_checkpoint(ray_run).iterdir()} == \
         {p.name for p in runs.latest_checkpoint(optuna_run).iterdir()}
@@ -131,7 +148,8 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
 
 
 def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=4)
+    space = write_space(tmp_path, epochs=4, model_init=SLOW_MODEL_INIT)
+    (tmp_path / "slow").touch()  # trials long enough to run side by side, so PBT has a population to compare
     out = tmp_path / "out"
     proc = _ray_sweep(cluster, space, out, "--n-trials", "4", "--n-jobs", "2", "--scheduler", "pbt", "--seed", "1")
     assert proc.returncode == 0, proc.stderr
@@ -147,46 +165,154 @@ def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) 
     assert runs.read_best(out) is not None and (out / "best" / "model.safetensors").exists()
 
 
-def test_crashing_trial_is_retried_then_recorded_failed(cluster: Cluster, tmp_path: Path) -> None:
+def _start_then_stop(cmd: list[str], env: dict[str, str], out: Path, stop: Callable[[subprocess.Popen], None]) -> str:
+    """Run ``cmd``; once a trial has saved a checkpoint, ``stop`` the command; wait for it to end."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not any(runs.checkpoints(Path(r.run_dir)) for r in runs.read_trials(out)):
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    stop(proc)
+    return proc.communicate(timeout=120)[1]
+
+
+def _assert_finished_exactly(out: Path, n: int, cut_short: runs.TrialRecord) -> None:
+    """``n`` trials finished, none left running, and the cut-short one continued from its checkpoint."""
+    records = runs.read_trials(out)
+    assert sum(r.state in ("complete", "pruned") for r in records) == n, [(r.number, r.state) for r in records]
+    assert not [r for r in records if r.state in ("running", "stopped")]
+    assert len({r.number for r in records}) == len(records)
+    again = next(r for r in records if r.id == cut_short.id)
+    assert again.state == "complete" and again.params == cut_short.params and again.run_dir == cut_short.run_dir
+    assert again.attempts == 2 and again.resumed_from and Path(again.resumed_from).parent == Path(cut_short.run_dir)
+    assert again.history[0]["epoch"] == 1  # the evaluations before the stop came back with the checkpoint
+    assert not list((out / ".leases").iterdir())
+
+
+def _cut_short(out: Path) -> runs.TrialRecord:
+    [record] = [r for r in runs.read_trials(out) if r.state not in ("complete", "pruned")]
+    return record
+
+
+def test_ctrl_c_then_the_same_command_finishes_the_sweep(cluster: Cluster, tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=3, model_init=SLOW_MODEL_INIT)
+    out = tmp_path / "out"
+    (tmp_path / "slow").touch()
+    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--address", cluster.address,
+           "--output-dir", str(out), "--n-trials", "2", "--n-jobs", "1", "--sampler", "random"]
+    err = _start_then_stop(cmd, cluster.env, out, lambda proc: proc.send_signal(signal.SIGINT))
+    assert err.strip().splitlines()[-1].startswith("hpsweep: interrupted"), err
+    cut_short = _cut_short(out)
+    assert cut_short.state == "stopped"  # said so on disk at once, not only at the next run
+
+    (tmp_path / "slow").unlink()
+    rerun = hpsweep_cli(*cmd[3:], env=cluster.env)
+    assert rerun.returncode == 0, rerun.stderr
+    _assert_finished_exactly(out, 2, cut_short)
+
+
+def test_kill_9_of_the_command_leaves_no_ray_process_and_the_same_command_finishes(tmp_path: Path) -> None:
+    """Without --address the command starts its own Ray: a kill -9 of the command takes it along."""
+    space = write_space(tmp_path, epochs=3, model_init=SLOW_MODEL_INIT)
+    out = tmp_path / "out"
+    (tmp_path / "slow").touch()
+    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--output-dir", str(out),
+           "--n-trials", "1", "--sampler", "random"]
+    env = {"RAY_ADDRESS": ""}
+    ray_processes: list[psutil.Process] = []
+
+    def kill_9(proc: subprocess.Popen) -> None:
+        ray_processes.extend(psutil.Process(proc.pid).children(recursive=True))
+        proc.kill()
+
+    _start_then_stop(cmd, env, out, kill_9)
+    assert any(p.name().startswith("ray::") for p in ray_processes)  # the trial's worker among them
+    _, alive = psutil.wait_procs(ray_processes, timeout=20)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    cut_short = _cut_short(out)
+    assert cut_short.state == "running"  # nobody could say otherwise: the rerun finds its lease dead
+
+    (tmp_path / "slow").unlink()
+    rerun = hpsweep_cli(*cmd[3:], env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    _assert_finished_exactly(out, 1, cut_short)
+
+
+def test_a_failing_trial_is_recorded_and_another_runs_in_its_place(cluster: Cluster, tmp_path: Path) -> None:
     calls = tmp_path / "calls.txt"
-    model_init = f'''
+    model_init = f"""
+    import pathlib
+
     def model_init(trial):
         with open({str(calls)!r}, "a") as f:
             f.write(f"{{trial.number}}\\n")
-        if trial.number == 0:
+        if trial.number == 0 or pathlib.Path({str(tmp_path / "always")!r}).exists():
             raise RuntimeError("boom")
         return Net(hidden=trial.params["hidden"])
-    '''
+    """
     space = write_space(tmp_path, epochs=1, model_init=model_init)
     out = tmp_path / "out"
     proc = _ray_sweep(cluster, space, out, "--n-trials", "2", "--n-jobs", "2", "--sampler", "random")
     assert proc.returncode == 0, proc.stderr
-    states = {r.number: r.state for r in runs.read_trials(out)}
-    assert states == {0: "failed", 1: "complete"}
+    assert {r.number: r.state for r in runs.read_trials(out)} == {0: "failed", 1: "complete", 2: "complete"}
     assert "boom" in (Path(runs.read_trials(out)[0].run_dir) / "error.log").read_text()
-    assert calls.read_text().split().count("0") == 2  # tried, retried once (max_failures=1), then given up
+    assert calls.read_text().split().count("0") == 1  # an exception fails the trial; Tune does not retry it
+
+    # When every trial fails, --max-failed-trials failures end the command, in one line.
+    (tmp_path / "always").touch()
+    failing = _ray_sweep(cluster, space, out, "--n-trials", "4", "--n-jobs", "1", "--max-failed-trials", "2")
+    assert failing.returncode == 2, failing.stderr
+    [line] = [line for line in failing.stderr.splitlines() if line.startswith("hpsweep: error:")]
+    assert "--max-failed-trials 2" in line and "boom" in line and "Traceback" not in failing.stderr, failing.stderr
+    assert {r.number: r.state for r in runs.read_trials(out)} == \
+        {0: "failed", 1: "complete", 2: "complete", 3: "failed", 4: "failed"}
 
 
-def test_interrupted_sweep_continues_with_resume(cluster: Cluster, tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=60)  # long enough that Ctrl-C lands inside trial 0 on a reused, warm actor
+def test_two_commands_on_one_folder_finish_exactly_n_trials(cluster: Cluster, tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=2)
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--address", cluster.address,
-            "--output-dir", str(out), "--n-trials", "3", "--n-jobs", "1", "--sampler", "random"]
-    proc = subprocess.Popen(args, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(runs.checkpoints(Path(r.run_dir)) for r in runs.read_trials(out)):
-        time.sleep(0.2)  # Ctrl-C once trial 0 has saved a checkpoint, long before its 60 epochs end
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    assert not any(r.state == "complete" for r in runs.read_trials(out)) or len(runs.read_trials(out)) < 3
-
-    resumed = hpsweep_cli(*args[3:], "--resume", env=cluster.env, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr
+    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "ray", "--address", cluster.address,
+           "--output-dir", str(out), "--n-trials", "4", "--n-jobs", "1", "--resources-per-trial", "cpu=1",
+           "--sampler", "random"]
+    env = {**os.environ, **cluster.env, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(cmd + extra, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for extra in ([], ["--resume"])]  # --resume is accepted and changes nothing
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
     records = runs.read_trials(out)
-    assert [r.number for r in records] == [0, 1, 2], [(r.number, r.state) for r in records]
-    assert all(r.state in ("complete", "pruned") for r in records), [(r.number, r.state) for r in records]
-    assert runs.read_best(out) is not None
+    assert [r.state for r in records] == ["complete"] * 4, [(r.number, r.state) for r in records]
+    assert sorted(r.number for r in records) == [0, 1, 2, 3]
+    assert len({r.user_attrs["pid"] for r in records}) == 2  # both commands' workers trained
+
+
+def test_an_hp_space_of_ray_tune_domains_runs_as_hugging_face_users_write_it(cluster: Cluster, tmp_path: Path) -> None:
+    extra = """
+    from ray import tune
+
+    def hp_space(trial):
+        return {"learning_rate": tune.loguniform(1e-3, 3e-1), "hidden": tune.choice([8, 16]),
+                "weight_decay": tune.quniform(0.0, 0.1, 0.05)}
+
+    def hp_name(trial):
+        return f"h{trial['hidden']}-lr{trial['learning_rate']:.5f}"
+    """
+    model_init = """
+    def model_init(trial):
+        return Net(hidden=trial["hidden"] if trial is not None else 16)
+    """
+    space = write_space(tmp_path, epochs=1, space="None", model_init=model_init, extra=extra)
+    out = tmp_path / "out"
+    proc = _ray_sweep(cluster, space, out, "--n-trials", "2", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    records = runs.read_trials(out)
+    assert [r.state for r in records] == ["complete", "complete"]
+    for r in records:
+        assert set(r.params) == {"learning_rate", "hidden", "weight_decay"} and r.params["hidden"] in (8, 16)
+        assert 1e-3 <= r.params["learning_rate"] <= 3e-1 and r.params["weight_decay"] in (0.0, 0.05, 0.1)
+        assert Path(r.run_dir).name == f"h{r.params['hidden']}-lr{r.params['learning_rate']:.5f}"
+        args = runs.read_json(runs.latest_checkpoint(Path(r.run_dir)) / "training_args.json")
+        assert args["weight_decay"] == r.params["weight_decay"]  # a TrainingArguments field reached the trainer
 
 
 def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_storage(tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 """The one interface a search backend implements."""
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +59,7 @@ class SearchSettings:
         return len(self.directions) > 1
 
 
-class Backend(abc.ABC):
+class Backend:
     """Decides which params to try and where trials run; nothing else.
 
     The search layer (`hpsweep.loop`) owns the loop: it claims a lease from the `Ledger`, asks the
@@ -71,7 +70,8 @@ class Backend(abc.ABC):
     `__init__` checks the settings and raises `UserError` for what it cannot do (a sampler it
     lacks, define-by-run, a missing extra), before anything is written to disk.
 
-    Subclasses implement `ask` and `tell`; `open` and `close` bracket a worker's use of it (in
+    A backend implements `ask` and `tell` (the search layer's loop runs the trials, here and in
+    ``--n-jobs`` workers), or overrides `run` when its trials run elsewhere; `open` and `close` bracket a worker's use of it (in
     each ``--n-jobs`` worker process after the fork, so connections are never shared). A backend
     that runs trials somewhere else (Ray's cluster) overrides `run`.
     """
@@ -126,18 +126,19 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release what `open` took."""
 
-    @abc.abstractmethod
     def ask(self, again: TrialRecord | None = None) -> Trial | None:
         """The next trial to run, or None when the search has nothing more to try (a finished grid).
 
         With ``again``, the record of a trial whose run was cut short: return that trial again,
         with its number and params (its folder and checkpoint are the search layer's business).
+        A backend that overrides `run` (its trials run elsewhere) need not implement it.
         """
+        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
 
-    @abc.abstractmethod
     def tell(self, trial: Trial, state: str, value: float | list[float] | None = None) -> None:
         """How ``trial`` ended: ``complete`` (with its objective), ``pruned``, ``failed``, or
         ``stopped`` (it will run again; the backend should not count it as a result)."""
+        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
 
     def abandon(self, ref: Any) -> None:
         """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""

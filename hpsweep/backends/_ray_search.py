@@ -1,0 +1,201 @@
+"""What to try, in Ray Tune's terms, for the Ray Tune backend: the space as Tune domains, an
+``hp_space`` of Tune domains, and Tune's search algorithms and schedulers as hpsweep uses them.
+A private helper of the one-file backend `hpsweep.backends._ray`.
+
+Tune's search algorithms are adapted in three ways: they stop suggesting at ``--timeout``; a
+trial that gave no result (it failed, or the ledger had no place for it) is told to Optuna as
+FAIL, which TPE ignores, not as its stand-in objective; and a round's TPE starts from the
+results of the trials that earlier rounds (or commands) completed.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray import tune
+from ray.tune.search import Searcher
+from ray.tune.search.basic_variant import BasicVariantGenerator
+from ray.tune.search.optuna import OptunaSearch
+from ray.tune.search.sample import Domain
+
+from .. import runs
+from ..arguments import FIELD_NAMES
+from ..errors import UserError
+from ..space import Categorical, Distribution, Float, Int
+from ._base import SearchSettings
+from ._ray_trial import FAILED_KEY, METRIC, USER_ERROR_KEY
+
+
+# --- the space -----------------------------------------------------------------------------------
+
+def tune_domain(dist: Distribution) -> Any:
+    """A backend-neutral distribution as a Ray Tune search-space domain (same bounds, both included)."""
+    if isinstance(dist, Float):
+        if dist.log:
+            return tune.loguniform(dist.low, dist.high)
+        if dist.step is not None:  # Tune quantises to multiples of q; off-grid bounds need a choice
+            aligned = abs(dist.low / dist.step - round(dist.low / dist.step)) < 1e-9
+            return tune.quniform(dist.low, dist.high, dist.step) if aligned else tune.choice(dist.grid())
+        return tune.uniform(dist.low, dist.high)
+    if isinstance(dist, Int):
+        if dist.log:
+            return tune.lograndint(dist.low, dist.high + 1)
+        if dist.step == 1:
+            return tune.randint(dist.low, dist.high + 1)
+        return tune.qrandint(dist.low, dist.high, dist.step) if dist.low % dist.step == 0 else tune.choice(dist.grid())
+    assert isinstance(dist, Categorical)
+    return tune.choice(list(dist.choices))
+
+
+def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
+    return {name: tune_domain(dist) for name, dist in space.items()}
+
+
+def native_space(hp_space: Callable[[Any], Any] | None) -> dict[str, Any] | None:
+    """What ``hp_space(None)`` returns when it is a dict of Ray Tune domains (Hugging Face calls a
+    Ray ``hp_space`` so), else None: the function is define-by-run."""
+    if hp_space is None:
+        return None
+    try:
+        space = hp_space(None)
+    except Exception:  # define-by-run: it calls trial.suggest_*
+        return None
+    if not isinstance(space, dict) or not any(_is_domain(v) for v in space.values()):
+        return None
+    return dict(space)
+
+
+def _is_domain(value: Any) -> bool:
+    return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
+
+
+# --- search algorithms and schedulers ---------------------------------------------------------
+
+def search_algorithm(settings: SearchSettings, sampler: str, param_space: dict[str, Any], define_by_run: bool,
+                     records: list[runs.TrialRecord], deadline: float | None) -> Any:
+    """Tune's search algorithm for one round of new trials: random, or Optuna's TPE warm-started
+    from the complete ``records`` (seeded past them, so a later round draws other params)."""
+    s = settings
+    seed = None if s.seed is None else s.seed + len(records)
+    if sampler == "random":
+        # Tune ignores max_concurrent_trials for a variant generator it did not make itself.
+        return VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
+    import optuna
+
+    from ._optuna import OptunaTrial
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    space: Callable[[Any], None] | None = None
+    points, rewards = None, None
+    if define_by_run:
+        hp_space, multi = s.hp_space, s.multi_objective
+        assert hp_space is not None
+
+        def sample(ot_trial: Any) -> None:  # sampled on the driver, replayed on the worker
+            hp_space(OptunaTrial(ot_trial, multi))
+        space = sample
+    elif not s.multi_objective:  # Optuna takes no earlier results for a define-by-run space
+        points, rewards = _warm_start(param_space, records)
+    metrics = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
+    modes = None if not s.multi_objective else [mode(d) for d in s.directions]
+    return _OptunaSearch(deadline, space=space, metric=metrics, mode=modes,
+                         sampler=optuna.samplers.TPESampler(seed=seed), points_to_evaluate=points,
+                         evaluated_rewards=rewards)
+
+
+def scheduler(settings: SearchSettings, name: str, param_space: dict[str, Any], budget: int | None) -> Any:
+    """Tune's trial scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
+    from ray.tune.schedulers import (
+        ASHAScheduler,
+        FIFOScheduler,
+        HyperBandScheduler,
+        PopulationBasedTraining,
+    )
+
+    opts = settings.options
+    eta = opts.get("reduction_factor", 3)
+    if name == "asha":
+        # Rungs at 1, eta, eta^2, ... evaluations; max_t beyond the budget so no trial is cut at its end.
+        return ASHAScheduler(time_attr="training_iteration", grace_period=1, reduction_factor=eta,
+                             max_t=(budget or 10_000) + 1)
+    if name == "hyperband":
+        return HyperBandScheduler(time_attr="training_iteration", max_t=budget or 81, reduction_factor=eta)
+    if name == "pbt":
+        # A checkpoint only loads into the same model: mutate training arguments, keep model params.
+        mutations = {n: d for n, d in param_space.items() if n in FIELD_NAMES and isinstance(d, Domain)}
+        if not mutations:
+            raise UserError("--scheduler pbt mutates TrainingArguments fields (learning_rate, weight_decay, ...) "
+                            "and the space has none; add one to the space or use --scheduler asha")
+        # require_attrs: a trial the ledger had no place for ends without any result.
+        return PopulationBasedTraining(time_attr="training_iteration", require_attrs=False,
+                                       perturbation_interval=opts.get("perturbation_interval", 1),
+                                       hyperparam_mutations=mutations)
+    return FIFOScheduler()
+
+
+# Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
+# trials left ends when its running trials do, not after Tune started each of them for nothing.
+
+class VariantGenerator(BasicVariantGenerator):
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def next_trial(self) -> Any:
+        if self.deadline is not None and time.time() >= self.deadline:
+            self.set_finished()
+            return None
+        return super().next_trial()
+
+
+class _OptunaSearch(OptunaSearch):
+    """Tune's `OptunaSearch`, told a trial that gave no result (failed, or never ran: the ledger
+    had enough) as FAIL, which TPE ignores, rather than as a result (its stand-in objective)."""
+
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if self.deadline is not None and time.time() >= self.deadline:
+            return Searcher.FINISHED  # type: ignore[return-value]
+        return super().suggest(trial_id)
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        if _has_result(result, self.metric):
+            super().on_trial_result(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+        has = _has_result(result, self.metric)
+        super().on_trial_complete(trial_id, result if has else None, error=error or not has)
+
+
+def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -> bool:
+    metrics = metric if isinstance(metric, list) else [metric]
+    return bool(result) and FAILED_KEY not in result and USER_ERROR_KEY not in result and \
+        all(m in result for m in metrics)  # type: ignore[operator]
+
+
+def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
+    """The complete trials' params and objectives, for Optuna's TPE to start from (those whose
+    params still lie in the space)."""
+    try:
+        dists = OptunaSearch.convert_search_space(param_space)
+    except (ValueError, TypeError):
+        return None, None
+    points, rewards = [], []
+    for r in records:
+        if r.state != "complete" or not isinstance(r.objective, (int, float)) or not set(dists) <= set(r.params):
+            continue
+        try:
+            if all(d._contains(d.to_internal_repr(r.params[n])) for n, d in dists.items()):
+                points.append({n: r.params[n] for n in dists})
+                rewards.append(float(r.objective))
+        except (ValueError, TypeError):
+            continue
+    return (points, rewards) if points else (None, None)
+
+
+def mode(direction: str) -> str:
+    return "max" if direction == "maximize" else "min"
