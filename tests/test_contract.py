@@ -25,6 +25,8 @@ from sweep_invariants import (
 
 from hpsweep import runs
 
+# Ray runs the same cases against its two-node test cluster in tests/test_ray.py (Ctrl-C, kill -9
+# with no Ray process left, a failing trial, two commands), checked by the same `violations`.
 BACKENDS = {"optuna": {}, "wandb": {"WANDB_MODE": "offline"}}
 
 

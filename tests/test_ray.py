@@ -23,6 +23,7 @@ import pytest
 from hpsweep import runs
 
 from conftest import hpsweep_cli, write_space
+from sweep_invariants import violations
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -187,6 +188,7 @@ def _assert_finished_exactly(out: Path, n: int, cut_short: runs.TrialRecord) -> 
     assert again.attempts == 2 and again.resumed_from and Path(again.resumed_from).parent == Path(cut_short.run_dir)
     assert again.history[0]["epoch"] == 1  # the evaluations before the stop came back with the checkpoint
     assert not list((out / ".leases").iterdir())
+    assert violations(out, n) == []  # DESIGN 5, as the contract test checks it on every backend
 
 
 def _cut_short(out: Path) -> runs.TrialRecord:
@@ -284,6 +286,7 @@ def test_two_commands_on_one_folder_finish_exactly_n_trials(cluster: Cluster, tm
     assert [r.state for r in records] == ["complete"] * 4, [(r.number, r.state) for r in records]
     assert sorted(r.number for r in records) == [0, 1, 2, 3]
     assert len({r.user_attrs["pid"] for r in records}) == 2  # both commands' workers trained
+    assert violations(out, 4) == []
 
 
 def test_an_hp_space_of_ray_tune_domains_runs_as_hugging_face_users_write_it(cluster: Cluster, tmp_path: Path) -> None:
