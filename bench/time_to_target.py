@@ -43,6 +43,7 @@ CONTENDERS = ("hpsweep", "hpsweep-jobs2", "hf", "ray-asha", "optuna")
 HEADER = '''
 import json, sys, time
 sys.path.insert(0, {bench!r})
+import torch
 import _tasks
 TASK = _tasks.get({task!r})
 
