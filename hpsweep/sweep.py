@@ -7,13 +7,14 @@ import errno
 import os
 import shutil
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import runs
+from . import devices, runs
 from .arguments import FIELD_NAMES, TrainingArguments, apply_params
 from .backends import SearchSettings, TrialFailed, get_backend
 from .callbacks import TrainerCallback, TrialReporter, metric_value
@@ -59,6 +60,8 @@ class SweepJob:
     #: keyword arguments it was given.
     trainer_cls: Any = None
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Data-parallel processes per trial (``--processes-per-trial``).
+    processes_per_trial: int = 1
 
     @property
     def output_dir(self) -> Path:
@@ -121,7 +124,8 @@ class TrialRunner:
                                   run_dir=str(run_dir), resumed_from=resume_from,
                                   attempts=again.attempts + 1 if again is not None else 1,
                                   user_attrs={**_plain_attrs(trial.user_attrs), "pid": os.getpid(),
-                                              "host": socket.gethostname()})
+                                              "host": socket.gethostname(),
+                                              **devices.trial_devices(job.processes_per_trial)})
         try:
             args = _trial_args(job, trial.params, run_dir)
             record.save()
@@ -310,6 +314,10 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)
+    # Devices are checked before anything is written: a request this machine cannot meet is one line.
+    placement = devices.plan(n_jobs=n_jobs, resources=resources_per_trial, processes_per_trial=processes_per_trial,
+                             gpus=devices.visible_gpus(), cores=devices.usable_cores(), local=address is None)
+    devices.check_fork_safe(placement)
     if (space is None) == (hp_space is None):
         raise UserError("give exactly one of space={...} or hp_space=function")
     takes_trial = model_init_arity(trainer.model_init) == 1
@@ -336,7 +344,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, study_name=study_name,
                               storage=storage, resume=resume, sampler=sampler, pruner=pruner, scheduler=scheduler,
                               seed=seed, address=address,
-                              resources_per_trial=dict(resources_per_trial or {"cpu": 1.0, "gpu": 0.0}),
+                              resources_per_trial=placement.resources,
                               options=options, backend=backend, max_failed_trials=max_failed_trials,
                               processes_per_trial=processes_per_trial, given=frozenset(given))
     chosen = get_backend(backend, settings)
@@ -345,7 +353,10 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
                    callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,
                    sweep_callbacks=list(sweep_callbacks), model_takes_trial=takes_trial,
-                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer))
+                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer),
+                   processes_per_trial=processes_per_trial)
+    if placement.note:
+        print(f"hpsweep: {placement.note}", file=sys.stderr)
 
     existed = output_dir.exists() and any(output_dir.iterdir())
     try:
