@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, runs
+from . import devices, memory, runs
 from .arguments import FIELD_NAMES, TrainingArguments, apply_params
 from .backends import SearchSettings, TrialFailed, get_backend
 from .callbacks import TrainerCallback, TrialReporter, metric_value
@@ -60,7 +60,7 @@ class SweepJob:
     #: keyword arguments it was given.
     trainer_cls: Any = None
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: Data-parallel processes per trial (``--processes-per-trial``).
+    #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.distributed`).
     processes_per_trial: int = 1
 
     @property
@@ -86,11 +86,24 @@ class SweepJob:
             raise UserError(f"objective returned {value!r}; return one float (or a list for several directions)") from None
 
 
+@dataclass
+class TrainOutcome:
+    """What training one trial produced, for its record."""
+
+    pruned: bool
+    history: list[dict[str, Any]]
+    num_evaluations: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: str | None = None
+
+
 class TrialRunner:
     """Trains one trial from a `SweepJob`: what the search loop (or a Ray worker) calls per trial.
 
     A trial the ledger hands out again (``trial.user_attrs["again"]``, its old record) keeps its
-    folder and resumes from its latest checkpoint, recorded as ``resumed_from``.
+    folder and resumes from its latest checkpoint, recorded as ``resumed_from``. A trial's model,
+    optimizer and loaders are released when it ends (`hpsweep.memory`), so the next trial in the
+    same process starts with the memory the first had.
     """
 
     def __init__(self, job: SweepJob, backend: str) -> None:
@@ -131,22 +144,15 @@ class TrialRunner:
             record.save()
             if not isinstance(built, _Prebuilt):
                 raise built
-            reporter = TrialReporter(trial, job.objective_value)
             extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
-            trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
-                                      eval_dataset=job.eval_dataset, data_collator=job.data_collator,
-                                      compute_metrics=job.compute_metrics,
-                                      callbacks=[*job.callbacks, *extra, reporter], **job.trainer_kwargs)
-            trainer.train(resume_from_checkpoint=resume_from, trial=trial)
+            outcome = self.train_here(trial, built, args, extra, resume_from)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
-            if reporter.pruned:
-                record.history = _eval_history(trainer)
+            record.history = outcome.history
+            if outcome.pruned:
                 record.finish("pruned")
-                raise TrialPruned(f"trial {trial.number} pruned at evaluation {trainer.state.num_evaluations}")
-            metrics = record.metrics = _final_metrics(trainer)  # may evaluate once more
-            record.history = _eval_history(trainer)
-            record.checkpoint = _final_checkpoint(trainer).name
-            record.finish("complete", objective=job.objective_value(metrics))
+                raise TrialPruned(f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}")
+            record.metrics, record.checkpoint = outcome.metrics, outcome.checkpoint
+            record.finish("complete", objective=job.objective_value(outcome.metrics))
         except (TrialPruned, TrialFailed):
             raise
         except (UserError, ImportError) as exc:  # no params can fix these: the sweep stops, nothing is recorded
@@ -174,11 +180,42 @@ class TrialRunner:
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
 
+    def train_here(self, trial: Trial, built: Any, args: TrainingArguments, callbacks: list[TrainerCallback],
+                   resume_from: str | None) -> TrainOutcome:
+        """Train ``trial`` in this process and release its memory, whatever happens."""
+        job = self.job
+        reporter = TrialReporter(trial, job.objective_value)
+        trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
+                                  eval_dataset=job.eval_dataset, data_collator=job.data_collator,
+                                  compute_metrics=job.compute_metrics,
+                                  callbacks=[*job.callbacks, *callbacks, reporter], **job.trainer_kwargs)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from, trial=trial)
+            if reporter.pruned:
+                return TrainOutcome(True, _eval_history(trainer), trainer.state.num_evaluations)
+            metrics = _final_metrics(trainer)  # may evaluate once more
+            return TrainOutcome(False, _eval_history(trainer), trainer.state.num_evaluations, metrics,
+                                _final_checkpoint(trainer).name)
+        finally:
+            if isinstance(built, _Prebuilt):
+                built.model = None  # handed over: the trainer's reference is the last one
+            memory.release(trainer)
+
     @staticmethod
     def _fail(record: runs.TrialRecord, run_dir: Path, trial: Trial, exc: BaseException) -> None:
-        record.finish("failed", error=f"{type(exc).__name__}: {exc}")
+        line = error_line(exc)
+        record.finish("failed", error=line)
         (run_dir / "error.log").write_text(traceback.format_exc())
-        raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
+        # The failed frames hold the trial's tensors (an OOM's activations): free them before the next trial.
+        traceback.clear_frames(exc.__traceback__)
+        memory.collect()
+        raise TrialFailed(f"trial {trial.number} failed: {line}") from exc
+
+
+def error_line(exc: BaseException) -> str:
+    """How a failed trial's error reads in its trial.json (one line for a CUDA out-of-memory error)."""
+    line = memory.oom_line(exc) if memory.is_cuda_oom(exc) else f"{type(exc).__name__}: {exc}"
+    return line
 
 
 def _finish_quietly(record: runs.TrialRecord, state: str, error: str | None) -> None:
