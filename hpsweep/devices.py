@@ -14,8 +14,8 @@ same on every backend (Ray reserves the same ``resources`` itself):
 - More trials than the GPUs hold (``--n-jobs 4``, ``gpu=1``, 2 GPUs): as many run at once as fit
   and the rest queue, as on Ray; one note says so. A trial that cannot fit at all (``gpu=2`` on
   one GPU) is refused.
-- CPU threads: ``cpu=N`` gives each trial N threads; otherwise the cores are split between the
-  trials that run at once. A trial's threads are split between its processes.
+- CPU threads: ``cpu=N`` gives each trial N threads (at most the cores); otherwise the cores are
+  split between the trials that run at once. A trial's threads are split between its processes.
 
 Tests fake the GPU count with ``HPSWEEP_FAKE_GPUS=N``: planning, placement and the records are
 real; the training itself runs on the CPU.
@@ -128,9 +128,6 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
     if not local:
         return Placement(slots=n_jobs, gpus=None, threads=1, processes_per_trial=ppt, resources=resolved)
 
-    if cpu is not None and cpu > cores:
-        raise UserError(f"--resources-per-trial cpu={cpu:g}, but this machine gives us {cores} cores; "
-                        f"give cpu={cores} or less")
     slots, note, per_slot = n_jobs, None, None
     if gpu > 0:
         have = len(gpus)
@@ -150,7 +147,8 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
         per_slot = per_slot[:slots]
     elif gpus:
         per_slot = [()]  # gpu=0 on a machine with GPUs: hide them, as Ray does
-    threads_per_trial = max(1, math.floor(cpu)) if cpu is not None else max(1, cores // slots)
+    # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not more threads.
+    threads_per_trial = max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
     return Placement(slots=slots, gpus=tuple(per_slot) if per_slot is not None else None,
                      threads=max(1, threads_per_trial // ppt), processes_per_trial=ppt, resources=resolved,
                      note=note)

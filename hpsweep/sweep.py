@@ -88,7 +88,8 @@ class SweepJob:
 
 @dataclass
 class TrainOutcome:
-    """What training one trial produced, for its record."""
+    """What training one trial produced, for its record (picklable: a data-parallel trial's first
+    process sends it to the process that talks to the backend)."""
 
     pruned: bool
     history: list[dict[str, Any]]
@@ -103,7 +104,8 @@ class TrialRunner:
     A trial the ledger hands out again (``trial.user_attrs["again"]``, its old record) keeps its
     folder and resumes from its latest checkpoint, recorded as ``resumed_from``. A trial's model,
     optimizer and loaders are released when it ends (`hpsweep.memory`), so the next trial in the
-    same process starts with the memory the first had.
+    same process starts with the memory the first had; with ``processes_per_trial`` > 1 it trains
+    in that many data-parallel processes (`hpsweep.distributed`) and this process keeps the record.
     """
 
     def __init__(self, job: SweepJob, backend: str) -> None:
@@ -145,7 +147,12 @@ class TrialRunner:
             if not isinstance(built, _Prebuilt):
                 raise built
             extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
-            outcome = self.train_here(trial, built, args, extra, resume_from)
+            if job.processes_per_trial > 1:
+                from .distributed import train_data_parallel
+
+                outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
+            else:
+                outcome = self.train_here(trial, built, args, extra, resume_from)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
             record.history = outcome.history
             if outcome.pruned:
@@ -182,7 +189,8 @@ class TrialRunner:
 
     def train_here(self, trial: Trial, built: Any, args: TrainingArguments, callbacks: list[TrainerCallback],
                    resume_from: str | None) -> TrainOutcome:
-        """Train ``trial`` in this process and release its memory, whatever happens."""
+        """Train ``trial`` in this process (the whole trial, or one data-parallel rank of it) and
+        release its memory, whatever happens."""
         job = self.job
         reporter = TrialReporter(trial, job.objective_value)
         trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
@@ -205,7 +213,8 @@ class TrialRunner:
     def _fail(record: runs.TrialRecord, run_dir: Path, trial: Trial, exc: BaseException) -> None:
         line = error_line(exc)
         record.finish("failed", error=line)
-        (run_dir / "error.log").write_text(traceback.format_exc())
+        # A data-parallel rank's error carries that process's traceback; ours would only show the relay.
+        (run_dir / "error.log").write_text(getattr(exc, "rank_traceback", None) or traceback.format_exc())
         # The failed frames hold the trial's tensors (an OOM's activations): free them before the next trial.
         traceback.clear_frames(exc.__traceback__)
         memory.collect()
@@ -214,8 +223,10 @@ class TrialRunner:
 
 def error_line(exc: BaseException) -> str:
     """How a failed trial's error reads in its trial.json (one line for a CUDA out-of-memory error)."""
-    line = memory.oom_line(exc) if memory.is_cuda_oom(exc) else f"{type(exc).__name__}: {exc}"
-    return line
+    name = getattr(exc, "type_name", None) or type(exc).__name__  # a rank's error that travelled as text
+    line = memory.oom_line(exc) if memory.is_cuda_oom(exc) else f"{name}: {exc}"
+    rank = getattr(exc, "rank", None)
+    return line if rank is None else f"{line} (in data-parallel process {rank})"
 
 
 def _finish_quietly(record: runs.TrialRecord, state: str, error: str | None) -> None:

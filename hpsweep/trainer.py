@@ -139,7 +139,10 @@ class Trainer:
         train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
         if len(train_dl) == 0:
             raise UserError("train_dataset is empty (or smaller than one batch with dataloader_drop_last)")
-        steps_per_epoch = max(1, math.ceil(len(train_dl) / args.gradient_accumulation_steps))
+        # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
+        # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
+        batches = math.ceil(len(train_dl) / acc.num_processes)
+        steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         optimizer, scheduler = self.optimizers
         optimizer = optimizer or create_optimizer(self.model, args)
@@ -147,6 +150,8 @@ class Trainer:
         self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
             self.model, optimizer, train_dl, scheduler)
         model = self.model_wrapped
+        if acc.num_processes > 1:  # max_steps counts optimizer steps: one schedule step each, not one per process
+            self.lr_scheduler.split_batches = True
 
         self.state = state = TrainerState(max_steps=max_steps, steps_per_epoch=steps_per_epoch,
                                           num_train_epochs=math.ceil(max_steps / steps_per_epoch),
@@ -314,8 +319,8 @@ class Trainer:
         with torch.no_grad():
             for batch in dl:
                 loss, logits = self.compute_loss(model, batch, return_outputs=True)
-                size = batch_size(batch)
-                total_loss += float(loss) * size
+                loss_sum, size = _loss_sum(acc, loss, batch)
+                total_loss += loss_sum
                 count += size
                 if want_predictions and logits is not None:
                     logits_all.append(acc.gather_for_metrics(logits).float().cpu().numpy())
@@ -365,10 +370,13 @@ class Trainer:
         """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best)."""
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
-        runs.write_checkpoint(final, model=self.accelerator.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
-                              scheduler=self.lr_scheduler, state=self.state.to_dict(), args=self.args.to_dict())
-        best = self.state.best_model_checkpoint
-        runs.rotate_checkpoints(final.parent, self.args.save_total_limit, Path(best) if best else None)
+        acc = self.accelerator
+        if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
+            runs.write_checkpoint(final, model=acc.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
+                                  scheduler=self.lr_scheduler, state=self.state.to_dict(), args=self.args.to_dict())
+            best = self.state.best_model_checkpoint
+            runs.rotate_checkpoints(final.parent, self.args.save_total_limit, Path(best) if best else None)
+        acc.wait_for_everyone()  # the others may read it next (the best model, the final checkpoint)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
         return final
 
@@ -415,7 +423,7 @@ class Trainer:
         """Search ``space`` (or define-by-run ``hp_space``) with ``backend``; returns the `BestRun`
         (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
         ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
-        ``resume``, ``address``, ``resources_per_trial``, ``sweep_callbacks``."""
+        ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``."""
         from .sweep import search
 
         if self.model_init is None:
@@ -438,6 +446,16 @@ def _cache_accelerate_package_probes() -> None:
     probe = acc_optimizer.is_lomo_available
     if not hasattr(probe, "cache_info"):
         acc_optimizer.is_lomo_available = functools.cache(probe)
+
+
+def _loss_sum(acc: Any, loss: torch.Tensor, batch: Any) -> tuple[float, int]:
+    """A batch's loss times its size, and its size; data-parallel, over every process's batch
+    (without the samples accelerate repeats to even out the last batches, as for predictions)."""
+    if acc.num_processes == 1:
+        size = batch_size(batch)
+        return float(loss) * size, size
+    losses = acc.gather_for_metrics(loss.detach().float().repeat(batch_size(batch)))
+    return float(losses.sum()), losses.numel()
 
 
 def _check_not_empty(dataset: Any, name: str) -> None:
