@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import devices, memory
+from . import devices
 from .backends import Backend, SearchSettings, TrialFailed
 from .errors import TrialPruned, UserError
 from .ledger import Claim, Ledger
@@ -67,7 +67,6 @@ class TrialLoop:
     def work(self, backend: Backend, worker: int = 0) -> None:
         """The loop itself, in this process (``worker`` numbers it among ``--n-jobs`` processes)."""
         backend.open(worker)
-        memory.settle()
         try:
             while self.deadline is None or time.monotonic() < self.deadline:
                 with self.ledger.locked():
@@ -83,12 +82,9 @@ class TrialLoop:
                     continue
                 assert isinstance(claim, Claim) and trial is not None
                 self._run(backend, trial, claim)
-                trial = claim = None  # nothing of the finished trial may outlive it in the frozen generation
-                memory.settle()  # the next trial starts with the memory the first one had
                 self._check_failures()
         finally:
             backend.close()
-            memory.thaw()
 
     def _ask(self, backend: Backend, claim: Claim) -> Trial | None:
         try:
