@@ -176,12 +176,11 @@ class _RankGroup:
         proc = self.procs[rank]
         proc.join(timeout=5)
         code = proc.exitcode
-        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exited with code {code}")
-        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-        exc = RankDied(f"data-parallel process {rank} of {self.n} {how}{hint} before the trial ended")
-        exc.rank = rank  # type: ignore[attr-defined]
-        return exc
+        if code is not None and code < 0:
+            how = f"was killed by signal {-code}" + (" (SIGKILL: out of memory?)" if code == -signal.SIGKILL else "")
+        else:
+            how = f"exited with code {code}"
+        return RankDied(f"data-parallel process {rank} of {self.n} {how} before the trial ended")
 
     def stop(self) -> None:
         """Stop every rank still running (SIGTERM, then SIGKILL after `STOP_GRACE_S`) and wait for it,

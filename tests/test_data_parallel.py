@@ -156,3 +156,40 @@ def model_init(trial):
     log = (Path(failed.run_dir) / "error.log").read_text()
     assert "OutOfMemoryOnRank1" in log or "forward" in log  # the failing process's own traceback
     assert time.time() - failed.finished_at < 300
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def test_no_process_of_a_trial_outlives_a_kill_9(tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=3, extra=SLOW_TRIALS.format(step_s=0.25), extra_args=SLOW_ARGS)
+    argv = ["run", str(space), "--n-trials", "2", "--processes-per-trial", "2", "--pruner", "none"]
+    out = tmp_path / "out"
+    proc = run_in_session(*argv)
+    assert wait_for(lambda: len(runs.checkpoints(out / "run-0")) >= 1, timeout=180), proc.communicate()
+    ranks = children(proc.pid)  # the trial's two processes, forked by the command (rank 0 first)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)  # as the OOM killer would
+    assert wait_for(lambda: runs.read_trials(out)[0].state == "failed", timeout=60), proc.communicate()
+    assert "data-parallel process 1 of 2 was killed by signal 9" in runs.read_trials(out)[0].error
+    assert wait_for(lambda: not any(p in children(proc.pid) for p in ranks), timeout=20)  # rank 0 was stopped
+
+    assert wait_for(lambda: len(runs.checkpoints(out / "run-1")) >= 1, timeout=180), proc.communicate()
+    assert len(children(proc.pid)) == 2  # the next trial's two processes
+    proc.kill()  # kill -9 of the command: its trial's processes die with it
+    proc.communicate(timeout=60)
+    assert wait_for(lambda: not session_processes(proc.pid), timeout=20), "processes of the trial outlived the command"
+
+    hpsweep_cli(*argv, check=True)  # and the same command finishes the sweep
+    records = runs.read_trials(out)
+    assert [r.state for r in records] == ["failed", "complete", "complete"]
+    assert records[1].attempts == 2 and records[1].resumed_from
