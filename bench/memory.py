@@ -108,7 +108,7 @@ def main() -> int:
     second = rows[1] if len(rows) > 1 else first
     for k in keys:
         print(f"{k}: trial {last['trial']} - trial 1 = {last[k] - first[k]:+.1f} MB; trial {last['trial']} - trial 2 "
-              f"(after the first trial's one-time imports and caches) = {last[k] - second[k]:+.1f} MB")
+              f"(after the first trial's one-time allocations) = {last[k] - second[k]:+.1f} MB")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"params": n_params, "device": ns.device, "rows": rows}, indent=2))
     return 0
