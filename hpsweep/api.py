@@ -17,7 +17,7 @@ def run(space_file: str | Path, *, backend: str = "optuna", n_trials: int | None
     Arguments are resolved command line > ``config`` file > the space file's ``args``. Other
     keyword options go to `Trainer.hyperparameter_search` (``timeout``, ``n_jobs``, ``sampler``,
     ``pruner``, ``scheduler``, ``storage``, ``resume``, ``seed``, ``address``,
-    ``resources_per_trial``, ``sweep_callbacks``).
+    ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``).
     """
     from .arguments import TrainingArguments
     from .trainer import Trainer

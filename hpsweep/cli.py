@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-failed-trials", type=int, default=5,
                      help="end the sweep after this many failed trials in one run (default 5)")
     run.add_argument("--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)")
-    run.add_argument("--resources-per-trial", type=_resources, help="ray: e.g. cpu=1,gpu=0.5")
+    run.add_argument("--resources-per-trial", type=_resources,
+                     help="what each trial gets, on every backend: cpu=N threads, gpu=F GPUs (0.5: two trials "
+                          "share one; default: 1 per process where CUDA sees a GPU, else 0)")
+    run.add_argument("--processes-per-trial", type=int, default=1, metavar="N",
+                     help="train each trial data-parallel over N processes (NCCL on GPUs, gloo on CPU); "
+                          "the effective batch is per_device_train_batch_size x N")
     run.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
     run.add_argument("--set", dest="set_args", action="append", default=[], metavar="KEY=VALUE",
                      help="override one TrainingArguments field (repeatable)")
@@ -97,6 +102,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         "scheduler": ns.scheduler, "address": ns.address, "resources_per_trial": ns.resources_per_trial,
         "seed": ns.seed}.items() if v is not None}
     options["max_failed_trials"] = ns.max_failed_trials
+    options["processes_per_trial"] = ns.processes_per_trial
     options["sweep_callbacks"] = _sweep_callbacks(ns)
     best = run(ns.space_file, backend=ns.backend, n_trials=ns.n_trials, output_dir=ns.output_dir,
                config=ns.config, set_args=ns.set_args, study_name=ns.study_name, resume=ns.resume,

@@ -10,7 +10,10 @@ worker processes that each run it, and supervises them:
   ``stopped`` and exit; the command then exits 130 (143 after SIGTERM);
 - a worker that dies (``kill -9``, an OOM kill) costs only its trial: the ledger sees its lease
   die, the trial runs again from its checkpoint, and a new worker takes the dead one's place;
-- a user error in any worker stops the others and comes back as one line (exit 2).
+- a user error in any worker stops the others and comes back as one line (exit 2);
+- each worker is placed before it imports any CUDA state: its own GPU(s) through
+  ``CUDA_VISIBLE_DEVICES`` and its share of the CPU threads (`hpsweep.devices`); when the GPUs
+  hold fewer trials than ``--n-jobs``, fewer workers run and trials wait their turn.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import devices
 from .backends import Backend, SearchSettings, TrialFailed
 from .errors import TrialPruned, UserError
 from .ledger import Claim, Ledger
@@ -128,18 +132,21 @@ class TrialLoop:
     # --- worker processes -----------------------------------------------------------------------------
 
     def run_locally(self, backend: Backend) -> None:
-        """``--n-jobs 1``: the loop here; N: N supervised worker processes."""
-        if self.settings.n_jobs == 1:
-            with _signals_interrupt():
+        """One trial at a time: the loop here; N: N supervised worker processes, each placed on
+        its slot's GPUs (see `hpsweep.devices`)."""
+        placement = devices.plan_for(self.settings)
+        if placement.slots == 1:
+            with _signals_interrupt(), devices.placed(placement, 0):
                 self.work(backend)
             return
-        _Supervisor(self, backend).run()
+        _Supervisor(self, backend, placement).run()
 
 
 class _Supervisor:
-    def __init__(self, loop: TrialLoop, backend: Backend) -> None:
+    def __init__(self, loop: TrialLoop, backend: Backend, placement: devices.Placement) -> None:
         self.loop = loop
         self.backend = backend
+        self.placement = placement
         self.ctx = multiprocessing.get_context("fork")
         self.messages = self.ctx.SimpleQueue()
         self.procs: dict[int, Any] = {}
@@ -147,7 +154,7 @@ class _Supervisor:
         self.restarts = 0
 
     def run(self) -> None:
-        n = self.loop.settings.n_jobs
+        n = self.placement.slots
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for index in range(n):
@@ -163,7 +170,8 @@ class _Supervisor:
             raise Interrupted(self.stopping)
 
     def _start(self, index: int) -> None:
-        proc = self.ctx.Process(target=_worker_main, args=(self.loop, self.backend, index, self.messages),
+        proc = self.ctx.Process(target=_worker_main,
+                                args=(self.loop, self.backend, index, self.messages, self.placement),
                                 name=f"hpsweep-worker-{index}", daemon=False)
         proc.start()
         self.procs[index] = proc
@@ -215,7 +223,7 @@ class _Supervisor:
                     pass
 
 
-def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any) -> None:
+def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement) -> None:
     """One ``--n-jobs`` worker: the loop, with the command's death and SIGTERM as interrupts."""
     parent = os.getppid()
     _die_with_parent()
@@ -223,7 +231,7 @@ def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any) -
         os._exit(143)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C: the command forwards it once
     signal.signal(signal.SIGTERM, _raise_interrupted)
-    _share_cores(loop.settings.n_jobs)
+    devices.apply(placement, index)  # before anything here touches CUDA: it reads CUDA_VISIBLE_DEVICES once
     code = 0
     try:
         loop.work(backend, index)
@@ -278,11 +286,3 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def _share_cores(n_jobs: int) -> None:
-    """Give each of ``n_jobs`` parallel trials its share of this process's cores (no oversubscription)."""
-    import torch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // n_jobs))

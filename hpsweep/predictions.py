@@ -172,6 +172,10 @@ def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any
                 labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
                 loss, outputs = compute_loss(model, batch, return_outputs=True)
                 size = batch_size(batch)
+                if collector.accelerator.num_processes > 1:
+                    # Every process's batch, without the samples accelerate repeats to even out the last ones.
+                    losses = collector.accelerator.gather_for_metrics(loss.detach().double().repeat(size))
+                    loss, size = losses.mean(), losses.numel()
                 # Summed on the device and read once: float(loss) per batch would wait for the device
                 # each time. float64 as Python's float was (MPS has none).
                 if total is None:

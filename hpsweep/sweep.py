@@ -7,13 +7,14 @@ import errno
 import os
 import shutil
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import runs
+from . import devices, memory, runs
 from .arguments import TrainingArguments, apply_params, field_types
 from .backends import SearchSettings, TrialFailed, get_backend
 from .callbacks import TrainerCallback, TrialReporter, metric_value
@@ -59,6 +60,8 @@ class SweepJob:
     #: keyword arguments it was given.
     trainer_cls: Any = None
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.distributed`).
+    processes_per_trial: int = 1
 
     @property
     def output_dir(self) -> Path:
@@ -83,11 +86,26 @@ class SweepJob:
             raise UserError(f"objective returned {value!r}; return one float (or a list for several directions)") from None
 
 
+@dataclass
+class TrainOutcome:
+    """What training one trial produced, for its record (picklable: a data-parallel trial's first
+    process sends it to the process that talks to the backend)."""
+
+    pruned: bool
+    history: list[dict[str, Any]]
+    num_evaluations: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: str | None = None
+
+
 class TrialRunner:
     """Trains one trial from a `SweepJob`: what the search loop (or a Ray worker) calls per trial.
 
     A trial the ledger hands out again (``trial.user_attrs["again"]``, its old record) keeps its
-    folder and resumes from its latest checkpoint, recorded as ``resumed_from``.
+    folder and resumes from its latest checkpoint, recorded as ``resumed_from``. A trial's model,
+    optimizer and loaders are released when it ends (`hpsweep.memory`), so the next trial in the
+    same process starts with the memory the first had; with ``processes_per_trial`` > 1 it trains
+    in that many data-parallel processes (`hpsweep.distributed`) and this process keeps the record.
     """
 
     def __init__(self, job: SweepJob, backend: str) -> None:
@@ -123,28 +141,27 @@ class TrialRunner:
                                   run_dir=str(run_dir), resumed_from=resume_from,
                                   attempts=again.attempts + 1 if again is not None else 1,
                                   user_attrs={**_plain_attrs(trial.user_attrs), "pid": os.getpid(),
-                                              "host": socket.gethostname()})
+                                              "host": socket.gethostname(),
+                                              **devices.trial_devices(job.processes_per_trial)})
         try:
             args = _trial_args(job, trial.params, run_dir)
             record.save()
             if not isinstance(built, _Prebuilt):
                 raise built
-            reporter = TrialReporter(trial, job.objective_value)
             extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
-            trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
-                                      eval_dataset=job.eval_dataset, data_collator=job.data_collator,
-                                      compute_metrics=job.compute_metrics,
-                                      callbacks=[*job.callbacks, *extra, reporter], **job.trainer_kwargs)
-            trainer.train(resume_from_checkpoint=resume_from, trial=trial)
+            if job.processes_per_trial > 1:
+                from .distributed import train_data_parallel
+
+                outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
+            else:
+                outcome = self.train_here(trial, built, args, extra, resume_from)
             record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
-            if reporter.pruned:
-                record.history = _eval_history(trainer)
+            record.history = outcome.history
+            if outcome.pruned:
                 record.finish("pruned")
-                raise TrialPruned(f"trial {trial.number} pruned at evaluation {trainer.state.num_evaluations}")
-            metrics = record.metrics = _final_metrics(trainer)  # may evaluate once more
-            record.history = _eval_history(trainer)
-            record.checkpoint = _final_checkpoint(trainer).name
-            record.finish("complete", objective=job.objective_value(metrics))
+                raise TrialPruned(f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}")
+            record.metrics, record.checkpoint = outcome.metrics, outcome.checkpoint
+            record.finish("complete", objective=job.objective_value(outcome.metrics))
         except (TrialPruned, TrialFailed):
             raise
         except (UserError, ImportError) as exc:  # no params can fix these: the sweep stops, nothing is recorded
@@ -169,11 +186,46 @@ class TrialRunner:
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
 
+    def train_here(self, trial: Trial, built: Any, args: TrainingArguments, callbacks: list[TrainerCallback],
+                   resume_from: str | None) -> TrainOutcome:
+        """Train ``trial`` in this process (the whole trial, or one data-parallel rank of it) and
+        release its memory, whatever happens."""
+        job = self.job
+        reporter = TrialReporter(trial, job.objective_value)
+        trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
+                                  eval_dataset=job.eval_dataset, data_collator=job.data_collator,
+                                  compute_metrics=job.compute_metrics,
+                                  callbacks=[*job.callbacks, *callbacks, reporter], **job.trainer_kwargs)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from, trial=trial)
+            if reporter.pruned:
+                return TrainOutcome(True, _eval_history(trainer), trainer.state.num_evaluations)
+            metrics = _final_metrics(trainer)  # may evaluate once more
+            return TrainOutcome(False, _eval_history(trainer), trainer.state.num_evaluations, metrics,
+                                _final_checkpoint(trainer).name)
+        finally:
+            if isinstance(built, _Prebuilt):
+                built.model = None  # handed over: the trainer's reference is the last one
+            memory.release(trainer)
+
     @staticmethod
     def _fail(record: runs.TrialRecord, run_dir: Path, trial: Trial, exc: BaseException) -> None:
-        record.finish("failed", error=f"{type(exc).__name__}: {exc}")
-        (run_dir / "error.log").write_text(traceback.format_exc())
-        raise TrialFailed(f"trial {trial.number} failed: {type(exc).__name__}: {exc}") from exc
+        line = error_line(exc)
+        record.finish("failed", error=line)
+        # A data-parallel rank's error carries that process's traceback; ours would only show the relay.
+        (run_dir / "error.log").write_text(getattr(exc, "rank_traceback", None) or traceback.format_exc())
+        # The failed frames hold the trial's tensors (an OOM's activations): free them before the next trial.
+        traceback.clear_frames(exc.__traceback__)
+        memory.collect()
+        raise TrialFailed(f"trial {trial.number} failed: {line}") from exc
+
+
+def error_line(exc: BaseException) -> str:
+    """How a failed trial's error reads in its trial.json (one line for a CUDA out-of-memory error)."""
+    name = getattr(exc, "type_name", None) or type(exc).__name__  # a rank's error that travelled as text
+    line = memory.oom_line(exc) if memory.is_cuda_oom(exc) else f"{name}: {exc}"
+    rank = getattr(exc, "rank", None)
+    return line if rank is None else f"{line} (in data-parallel process {rank})"
 
 
 def _missing_package(trial: Trial, exc: ImportError) -> UserError:
@@ -327,6 +379,10 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)
+    # Devices are checked before anything is written: a request this machine cannot meet is one line.
+    placement = devices.plan(n_jobs=n_jobs, resources=resources_per_trial, processes_per_trial=processes_per_trial,
+                             gpus=devices.visible_gpus(), cores=devices.usable_cores(), local=address is None)
+    devices.check_fork_safe(placement)
     if (space is None) == (hp_space is None):
         raise UserError("give exactly one of space={...} or hp_space=function")
     takes_trial = model_init_arity(trainer.model_init) == 1
@@ -352,7 +408,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                               n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, study_name=study_name,
                               storage=storage, resume=resume, sampler=sampler, pruner=pruner, scheduler=scheduler,
                               seed=seed, address=address,
-                              resources_per_trial=dict(resources_per_trial or {"cpu": 1.0, "gpu": 0.0}),
+                              resources_per_trial=placement.resources,
                               options=options, backend=backend, max_failed_trials=max_failed_trials,
                               processes_per_trial=processes_per_trial, given=frozenset(given))
     chosen = get_backend(backend, settings)
@@ -364,7 +420,10 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
                    callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,
                    sweep_callbacks=list(sweep_callbacks), model_takes_trial=takes_trial,
-                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer))
+                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer),
+                   processes_per_trial=processes_per_trial)
+    if placement.note:
+        print(f"hpsweep: {placement.note}", file=sys.stderr)
 
     existed = output_dir.exists() and any(output_dir.iterdir())
     try:

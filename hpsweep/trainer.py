@@ -184,7 +184,10 @@ class Trainer:
         train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
         if len(train_dl) == 0:
             raise UserError("train_dataset is empty (or smaller than one batch with dataloader_drop_last)")
-        steps_per_epoch = max(1, math.ceil(len(train_dl) / args.gradient_accumulation_steps))
+        # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
+        # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
+        batches = math.ceil(len(train_dl) / acc.num_processes)
+        steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
         optimizer, scheduler = self.optimizers
         optimizer = optimizer or create_optimizer(self.model, args)
@@ -192,6 +195,8 @@ class Trainer:
         self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
             self.model, optimizer, train_dl, scheduler)
         model = self.model_wrapped
+        if acc.num_processes > 1:  # max_steps counts optimizer steps: one schedule step each, not one per process
+            self.lr_scheduler.split_batches = True
         ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
         self.accelerate_wrappers_skipped = ops.plain
 
@@ -436,14 +441,18 @@ class Trainer:
         """
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
-        background = not wait and not self._handler.reads_checkpoints()
-        snapshot = runs.snapshot_checkpoint(model=self.accelerator.unwrap_model(self.model_wrapped),
-                                            optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                                            state=self.state.to_dict(), args=self.args.to_dict(), copy=background)
+        acc = self.accelerator
+        background = not wait and not self._handler.reads_checkpoints() and acc.num_processes == 1
         writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
-        best = self.state.best_model_checkpoint
-        writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
-                      background=background)
+        if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
+            snapshot = runs.snapshot_checkpoint(model=acc.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
+                                                scheduler=self.lr_scheduler, state=self.state.to_dict(),
+                                                args=self.args.to_dict(), copy=background)
+            best = self.state.best_model_checkpoint
+            writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
+                          background=background)
+        if acc.num_processes > 1:
+            acc.wait_for_everyone()  # the others may read it next (the best model, the final checkpoint)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
         return final
 
@@ -491,7 +500,7 @@ class Trainer:
         """Search ``space`` (or define-by-run ``hp_space``) with ``backend``; returns the `BestRun`
         (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
         ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
-        ``resume``, ``address``, ``resources_per_trial``, ``sweep_callbacks``.
+        ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``.
 
         transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
         Optuna), and so does its first positional parameter, ``hp_space``."""

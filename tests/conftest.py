@@ -83,6 +83,18 @@ def hpsweep_cli(*args: str, cwd: Path | None = None, env: dict | None = None, ti
     return proc
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA: the one kind of test skipped where it is missing (CI)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    needs_cuda = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(needs_cuda)
+
+
 @pytest.fixture
 def space_file(tmp_path: Path) -> Path:
     return write_space(tmp_path)

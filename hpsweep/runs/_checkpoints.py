@@ -230,7 +230,9 @@ def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
                        "has_gauss": has_gauss, "cached": cached}}
-    if torch.cuda.is_available():
+    # Not is_available(): that initialises the CUDA driver, and processes forked afterwards (the
+    # data-parallel ranks of a trial whose model was built here) could no longer use the GPU.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
