@@ -184,13 +184,13 @@ class OptunaBackend(Backend):
         trial = OptunaTrial(study.ask(), s.multi_objective, number=None if again is None else again.number)
         if again is not None:
             trial.id = again.id
-        try:
-            for name, dist in (s.space or {}).items():
+        for name, dist in (s.space or {}).items():
+            try:
                 suggest(trial, name, dist)
-        except ValueError as exc:  # the stored study knows this name with another distribution
-            study.tell(trial._trial, state=TrialState.FAIL)
-            raise UserError(f"the space differs from what study {s.study_name!r} recorded ({exc}); keep the "
-                            "space, or use another --study-name or --output-dir") from None
+            except ValueError as exc:  # the stored study knows this name with another distribution
+                study.tell(trial._trial, state=TrialState.FAIL)
+                raise UserError(f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} recorded "
+                                f"({exc}); keep the space, or use another --study-name or --output-dir") from None
         return trial
 
     def tell(self, trial: Any, state: str, value: Any = None) -> None:
