@@ -15,6 +15,7 @@ the run (a shared machine) moves both sides of a ratio alike.
   epoch, trial records, ``best/`` kept current), ``--pruner none`` so every trial trains fully
   on both sides.
 - hpsweep-nosave: the same with ``--set save_strategy=no`` (one final checkpoint per trial).
+- hpsweep-base (with ``--base TREE``): hpsweep's defaults from another checkout (before/after).
 - hf: Hugging Face ``Trainer.hyperparameter_search`` (optuna backend, in-memory study,
   evaluation and a checkpoint every epoch), when transformers is installed.
 
@@ -142,14 +143,16 @@ def command(name: str, work: Path, trials: int, epochs: int) -> list[str]:
     space = work / f"space_{name}_{time.monotonic_ns()}.py"
     space.write_text(header + SPACE)
     cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(trials), "--pruner", "none"]
-    return cmd + (["--set", "save_strategy=no"] if name == "hpsweep-nosave" else [])
+    return cmd + (["--set", "save_strategy=no"] if name == "hpsweep-nosave" else [])  # hpsweep, hpsweep-base
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
+def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
     """Wall seconds, and CPU seconds (user + system, every thread) of one fresh process. CPU time
     is the steadier figure on a shared machine: waiting for a core another job holds costs wall
     time but no CPU time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -168,14 +171,16 @@ def main() -> None:
     has_hf = importlib.util.find_spec("transformers") is not None
     parser.add_argument("--variants", default="hand,hpsweep,hpsweep-nosave" + (",hf" if has_hf else ""),
                         help="comma-separated; the first is the peer every ratio divides by")
+    parser.add_argument("--base", metavar="TREE", help="a checkout of an earlier hpsweep: adds the variant "
+                        "hpsweep-base, its defaults run from that tree, for before/after in one run")
     ns = parser.parse_args()
-    variants = ns.variants.split(",")
+    variants = ns.variants.split(",") + (["hpsweep-base"] if ns.base else [])
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(ns.repeats):
             for v in variants:
-                w, c = timed(command(v, Path(tmp), ns.trials, ns.epochs))
+                w, c = timed(command(v, Path(tmp), ns.trials, ns.epochs), ns.base if v == "hpsweep-base" else None)
                 wall[v].append(w)
                 cpu[v].append(c)
                 print(f"  round {r + 1}: {v:<15} {w:6.2f} s wall {c:6.2f} s CPU", file=sys.stderr, flush=True)
@@ -189,8 +194,9 @@ def main() -> None:
         rc = [a / b for a, b in zip(cpu[v], cpu[peer])]
         print(f"| {v} | {statistics.median(wall[v]):.2f} | {statistics.median(rw):.2f}x | {min(rw):.2f}-{max(rw):.2f} "
               f"| {statistics.median(cpu[v]):.2f} | {statistics.median(rc):.2f}x | {min(rc):.2f}-{max(rc):.2f} |")
+    base = f" --base {ns.base}" if ns.base else ""
     print(f"\nreproduce: python bench/core_overhead.py --trials {ns.trials} --epochs {ns.epochs} "
-          f"--repeats {ns.repeats} --variants {ns.variants}")
+          f"--repeats {ns.repeats} --variants {ns.variants}{base}")
 
 if __name__ == "__main__":
     main()

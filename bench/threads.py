@@ -6,7 +6,7 @@
 Each round starts ``--parallel`` training processes at once (what ``--n-jobs`` does) twice: once
 with torch's default intra-op threads (one per core of the machine, in every process), once with
 ``set_trial_threads(parallel)`` (the usable cores split between them). The two variants alternate,
-and the ratio is taken within each round. A trial: 40 steps of a 512-1024-1024-10 MLP at batch
+and the ratio is taken within each round. A trial: 15 steps of a 512-1024-1024-10 MLP at batch
 256 with AdamW, big enough for torch to use its threads.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
-for _ in range(40):
+for _ in range(15):
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step(); opt.zero_grad()
 print(torch.get_num_threads())

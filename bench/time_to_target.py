@@ -16,8 +16,8 @@ for the same number of trials, seeded, with one torch thread per process (OMP_NU
   hand-written function trainable reporting every epoch, one CPU per trial;
 - optuna: raw Optuna with a hand-written loop, TPE and median pruning (in-memory study).
 
-The target is the best accuracy any contender reached on that task, less 0.5 points. For each
-run: seconds from the process start until the first trial that finished training reached it
+The target is the best accuracy any contender reached on that task, less 0.5 points; and, as
+short runs rarely reach that, the median run's best less 0.5 points. For each run: seconds from the process start until the first trial that finished training reached it
 (pruned or stopped trials do not count); a run that never did counts its whole run and is
 marked with the number that reached it. Wall and CPU seconds (the process tree's user + system
 time; steadier than wall time on a shared machine) are both reported, as medians over seeds and
@@ -197,28 +197,34 @@ def run(contender: str, task: str, seed: int, trials: int, work: Path) -> dict:
 
 
 def summarise(task: str, results: dict[str, list[dict]], trials: int) -> str:
+    """Two targets: the best accuracy of all runs less 0.5 points (the strict one, which short runs
+    rarely reach), and the median run's best less 0.5 points ("a good accuracy": what a typical run
+    of any contender reaches)."""
     best = max(acc for runs in results.values() for r in runs for *_, acc in r["curve"])
-    target = best - 0.005
-    lines = [f"\n### {task}: {trials} trials per run, target accuracy {target:.4f} (best of all runs {best:.4f} "
-             "less 0.5 points)\n",
-             "| contender | runs reaching target | median wall s to target | wall vs hpsweep | median CPU s to target "
-             "| CPU vs hpsweep | median best | median finished trials |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    to_target = {}
-    for name, runs in results.items():
-        hits = [next(((w, c) for w, c, acc in r["curve"] if acc >= target), None) for r in runs]
-        to_target[name] = ([h[0] if h else r["wall"] for h, r in zip(hits, runs)],
-                           [h[1] if h else r["cpu"] for h, r in zip(hits, runs)],
-                           sum(h is not None for h in hits))
-    base_w, base_c, _ = to_target.get("hpsweep", next(iter(to_target.values())))
-    for name, runs in results.items():
-        w, c, reached = to_target[name]
-        rw = statistics.median(a / b for a, b in zip(w, base_w))
-        rc = statistics.median(a / b for a, b in zip(c, base_c))
-        lines.append(f"| {name} | {reached}/{len(runs)} | {statistics.median(w):.1f} | {rw:.2f}x | "
-                     f"{statistics.median(c):.1f} | {rc:.2f}x | "
-                     f"{statistics.median(max((a for *_, a in r['curve']), default=0) for r in runs):.4f} | "
-                     f"{statistics.median(r['finished'] for r in runs):.0f} |")
+    typical = statistics.median(max((a for *_, a in r["curve"]), default=0.0)
+                                for runs in results.values() for r in runs)
+    lines = [f"\n### {task}: {trials} trials per run"]
+    for label, top in (("best of all runs", best), ("median run's best", typical)):
+        target = top - 0.005
+        lines += [f"\ntarget {target:.4f} = {label} ({top:.4f}) less 0.5 points\n",
+                  "| contender | runs reaching target | median wall s to target | wall vs hpsweep "
+                  "| median CPU s to target | CPU vs hpsweep | median best | median finished trials |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        to_target = {}
+        for name, runs in results.items():
+            hits = [next(((w, c) for w, c, acc in r["curve"] if acc >= target), None) for r in runs]
+            to_target[name] = ([h[0] if h else r["wall"] for h, r in zip(hits, runs)],
+                               [h[1] if h else r["cpu"] for h, r in zip(hits, runs)],
+                               sum(h is not None for h in hits))
+        base_w, base_c, _ = to_target.get("hpsweep", next(iter(to_target.values())))
+        for name, runs in results.items():
+            w, c, reached = to_target[name]
+            rw = statistics.median(a / b for a, b in zip(w, base_w))
+            rc = statistics.median(a / b for a, b in zip(c, base_c))
+            lines.append(f"| {name} | {reached}/{len(runs)} | {statistics.median(w):.1f} | {rw:.2f}x | "
+                         f"{statistics.median(c):.1f} | {rc:.2f}x | "
+                         f"{statistics.median(max((a for *_, a in r['curve']), default=0) for r in runs):.4f} | "
+                         f"{statistics.median(r['finished'] for r in runs):.0f} |")
     return "\n".join(lines)
 
 
@@ -230,13 +236,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--plot", default=str(BENCH / "time_to_target.png"), help="PNG of the best-so-far curves")
+    parser.add_argument("--save", help="write the raw curves here (JSON)")
+    parser.add_argument("--load", help="report curves saved with --save instead of running")
     ns = parser.parse_args()
     if ns.quick:
         ns.tasks, ns.seeds, ns.trials = "digits", 2, 12
     contenders = ns.contenders.split(",")
-    all_results: dict[str, dict[str, list[dict]]] = {}
+    all_results: dict[str, dict[str, list[dict]]] = json.loads(Path(ns.load).read_text()) if ns.load else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for task in ns.tasks.split(","):
+        for task in [] if ns.load else ns.tasks.split(","):
             all_results[task] = {c: [] for c in contenders}
             for seed in range(ns.seeds):
                 for c in contenders:
@@ -245,10 +253,13 @@ def main() -> None:
                     print(f"  {task} seed {seed} {c:<14} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, "
                           f"{r['finished']} finished, best {max((a for *_, a in r['curve']), default=0):.4f}",
                           file=sys.stderr, flush=True)
+    if ns.save:
+        Path(ns.save).write_text(json.dumps(all_results))
     for task, results in all_results.items():
         print(summarise(task, results, ns.trials))
     plot(all_results, Path(ns.plot))
     flags = "--quick" if ns.quick else f"--tasks {ns.tasks} --seeds {ns.seeds} --trials {ns.trials}"
+    flags = f"--load {ns.load} --trials {ns.trials}" if ns.load else flags
     print(f"\nplot: {ns.plot}\nreproduce: python bench/time_to_target.py {flags} --contenders {ns.contenders}")
 
 

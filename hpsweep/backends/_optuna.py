@@ -116,6 +116,11 @@ class OptunaBackend(Backend):
             return self.settings.pruner
         name = self.settings.pruner or "median"
         if name == "median":
+            # Measured, not guessed (bench/pruner_settings.py, bench/README.md): on the shipped digits
+            # space these settings reached a typical sweep's accuracy in the least CPU time of six
+            # candidates (startup 3 or 5, warmup 1 or 2, Hyperband, none) with the same best accuracy,
+            # and spent 27% less than no pruning on a 30-trial sweep. Evaluations count from 1, so
+            # warmup 1 allows pruning from the first; a trial's last is never offered (TrialReporter).
             return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
         if name == "hyperband":
             return optuna.pruners.HyperbandPruner(min_resource=1)
