@@ -60,7 +60,12 @@ def visible_gpus() -> list[str]:
 
 
 def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPU threads this process may use: its affinity, and no more than torch's own default
+    (physical cores) or what the user set with ``torch.set_num_threads``."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class Placement:
     Attributes:
         slots: trials that run at once here (the ``--n-jobs`` workers; fewer when the GPUs hold fewer).
         gpus: per slot, the GPU ids its trials see; None where no GPU is in play (a CPU machine).
-        threads: torch threads for each process of a trial.
+        threads: torch threads for each trial (its data-parallel processes share them).
         processes_per_trial: data-parallel processes per trial.
         resources: ``--resources-per-trial`` with the GPU default filled in (what Ray reserves).
         note: one line for the user when fewer trials run at once than ``--n-jobs`` asked.
@@ -85,7 +90,7 @@ class Placement:
 
     def env(self, slot: int) -> dict[str, str]:
         """The environment a worker of ``slot`` runs its trials with."""
-        env = {"OMP_NUM_THREADS": str(self.threads)}  # for the processes it starts (ranks, loader workers)
+        env = {"OMP_NUM_THREADS": str(self.threads)}  # for the processes it starts (loader workers)
         if self.gpus is not None:
             env[VISIBLE_ENV] = ",".join(self.gpus[slot % len(self.gpus)])
         return env
@@ -150,8 +155,7 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
     # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not more threads.
     threads_per_trial = max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
     return Placement(slots=slots, gpus=tuple(per_slot) if per_slot is not None else None,
-                     threads=max(1, threads_per_trial // ppt), processes_per_trial=ppt, resources=resolved,
-                     note=note)
+                     threads=threads_per_trial, processes_per_trial=ppt, resources=resolved, note=note)
 
 
 def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:
@@ -218,7 +222,12 @@ def placed(placement: Placement, slot: int = 0) -> Iterator[None]:
 
 def trial_devices(processes: int = 1) -> dict[str, object]:
     """What a trial's ``trial.json`` records about where it ran (``user_attrs``)."""
+    gpus = visible_gpus()
+    return {"devices": gpus or ["cpu"], "threads": threads_per_process(processes), "processes": processes}
+
+
+def threads_per_process(processes: int) -> int:
+    """A trial's share of torch threads (this process's) for each of its ``processes``."""
     import torch
 
-    gpus = visible_gpus()
-    return {"devices": gpus or ["cpu"], "threads": torch.get_num_threads(), "processes": processes}
+    return max(1, torch.get_num_threads() // processes)

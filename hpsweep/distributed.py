@@ -39,6 +39,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from .devices import threads_per_process
 from .errors import UserError
 from .trial import Trial
 
@@ -114,9 +115,7 @@ class _RankGroup:
 
     def start(self, runner: TrialRunner, trial: Trial, built: Any, args: Any, callbacks: list[Any],
               resume_from: str | None) -> None:
-        import torch
-
-        setup = {"n": self.n, "store": os.path.join(self.store_dir, "store"), "threads": torch.get_num_threads(),
+        setup = {"n": self.n, "store": os.path.join(self.store_dir, "store"), "threads": threads_per_process(self.n),
                  "use_cpu": bool(args.use_cpu), "timeout_s": _timeout_s()}
         # Signals wait until each rank has its own handlers: none sees the terminal's Ctrl-C half set up.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)

@@ -51,7 +51,7 @@ def test_whole_gpus_per_trial_are_disjoint_groups() -> None:
     assert plan(n_jobs=2, gpu=2).gpus == (("0", "1"), ("2", "3"))
     # a data-parallel trial takes one GPU per process by default
     p = plan(n_jobs=2, ppt=2)
-    assert p.resources["gpu"] == 2 and p.gpus == (("0", "1"), ("2", "3")) and p.threads == 4
+    assert p.resources["gpu"] == 2 and p.gpus == (("0", "1"), ("2", "3")) and p.threads == 8  # per trial
 
 
 def test_more_trials_than_fit_run_as_many_as_fit_and_say_so() -> None:
@@ -61,10 +61,9 @@ def test_more_trials_than_fit_run_as_many_as_fit_and_say_so() -> None:
     assert plan(n_jobs=5, gpus=["0", "1"], gpu=0.5).slots == 4
 
 
-def test_cpu_threads_are_split_between_trials_and_their_processes() -> None:
+def test_cpu_threads_are_split_between_the_trials_that_run_at_once() -> None:
     assert plan(n_jobs=2, gpus=[], cores=8).threads == 4
     assert plan(n_jobs=3, gpus=[], cores=2).threads == 1  # never 0
-    assert plan(n_jobs=2, gpus=[], cores=8, ppt=2).threads == 2
     assert plan(n_jobs=1, gpus=[], cores=8, cpu=3).threads == 3  # cpu=N is N threads per trial
     assert plan(n_jobs=1, gpus=[], cores=2, cpu=8).threads == 2  # never more threads than cores
     cpu_only = plan(n_jobs=2, gpus=[], cores=8)

@@ -87,6 +87,7 @@ def test_two_nccl_processes_train_what_one_gpu_does_with_twice_the_batch(tmp_pat
                 "--output-dir", tmp_path / "one", env={"CUDA_VISIBLE_DEVICES": "0"}, check=True)
     two, one = runs.read_trials(tmp_path / "two")[0], runs.read_trials(tmp_path / "one")[0]
     assert two.user_attrs["devices"] == ["0", "1"] and two.user_attrs["processes"] == 2
+    assert one.user_attrs["devices"] == ["0"] and one.user_attrs["processes"] == 1
     state = json.loads((Path(two.run_dir) / two.checkpoint / "trainer_state.json").read_text())
     assert state["global_step"] == 2 * math.ceil(256 / 64)
     ours, theirs = load_file(tmp_path / "two" / "best" / "model.safetensors"), load_file(tmp_path / "one" / "best" / "model.safetensors")
