@@ -92,7 +92,7 @@ def test_one_parent_with_a_nested_child_per_trial(tracked_sweep) -> None:
     assert parent.data.params["study_name"] == "space"
     assert parent.data.params["n_trials"] == "6"
     assert parent.data.params["objective"] == "eval_accuracy" and parent.data.params["direction"] == "maximize"
-    assert parent.data.params["space.learning_rate"].startswith("Float(low=0.001")
+    assert parent.data.params["space.learning_rate"].startswith("Float(low=1e-05")
     assert "space.hub_token" not in parent.data.params
     # every trial's record knows its MLflow run
     records = _records(out)
