@@ -155,7 +155,9 @@ def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
         env["PYTHONPATH"] = pythonpath
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # Not run from the repository: `python -m` puts the working folder first on sys.path, which
+    # would shadow PYTHONPATH (and hide --base).
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:

@@ -34,7 +34,8 @@ def run(space: Path, out: Path, trials: int, jobs: int) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(trials), "--pruner", "none",
            "--n-jobs", str(jobs), "--output-dir", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=tempfile.gettempdir())
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"--n-jobs {jobs} failed:\n{proc.stderr[-3000:]}")
