@@ -45,14 +45,14 @@ class Sampled:
 
 
 def run_sampled(cmd: list[str], *, env: dict[str, str] | None = None, interval: float = 0.2,
-                timeout: float | None = None) -> Sampled:
+                timeout: float | None = None, cwd: str | None = None) -> Sampled:
     """Run ``cmd`` to the end while a thread samples its process tree every ``interval`` seconds.
 
     A process's CPU time is kept at its last sample after it exits, so the total never goes down
     (a process that lives less than ``interval`` is missed; ours live for seconds).
     """
     start = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     samples: list[tuple[float, float, float]] = []
     last_cpu: dict[int, float] = {}
     done = threading.Event()
