@@ -53,7 +53,7 @@ from typing import Any
 from ray import tune
 
 from .. import runs
-from ..arguments import FIELD_NAMES, apply_params
+from ..arguments import apply_params, field_types
 from ..errors import UserError
 from ..ledger import AGAIN
 from ..loop import RESTARTS_PER_WORKER, Interrupted
@@ -140,7 +140,10 @@ class RayBackend(Backend):
     def run(self, loop: Any) -> None:
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
         runner = self._runner(loop.runner)
-        pickle_space_modules_by_value()
+        job = getattr(loop.runner, "job", None)
+        pickle_space_modules_by_value([] if job is None else [
+            job.model_init, job.hp_space, job.hp_name, job.compute_metrics, job.objective, type(job.args),
+            job.trainer_cls, *map(type, job.callbacks)])
         with connected(self.settings.address, self.resources["cpu"]), _StopSignals() as signals, \
                 output_dir_marker(self.settings.output_dir) as marker:
             signals.stop_file = stop_file(self.settings.output_dir, marker)
@@ -159,7 +162,7 @@ class RayBackend(Backend):
         if self.native is None:
             return runner
         job = runner.job
-        apply_params(job.args, {n: None for n in self.native if n not in FIELD_NAMES},
+        apply_params(job.args, {n: None for n in self.native if n not in field_types(type(job.args))},
                      model_takes_trial=job.model_takes_trial, source="hp_space")
         runner = copy.copy(runner)
         runner.job = dataclasses.replace(job, hp_space=None)

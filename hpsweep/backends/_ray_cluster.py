@@ -210,9 +210,11 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def pickle_space_modules_by_value() -> None:
+def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
     """Space files are imported under synthetic module names that workers cannot import: ship them
-    (and helper modules imported from their folder) by value."""
+    (and helper modules imported from their folder) by value. So are the modules of an API user's
+    own code (``user_objects``: model_init, hp_space, the args and trainer classes, ...) that are
+    not installed packages: a worker's Python need not find a script's or a test's folder."""
     from ray import cloudpickle
 
     folders = set()
@@ -221,11 +223,24 @@ def pickle_space_modules_by_value() -> None:
             cloudpickle.register_pickle_by_value(module)
             if getattr(module, "__file__", None):
                 folders.add(Path(module.__file__).resolve().parent)
+    for obj in user_objects:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        file = getattr(module, "__file__", None)
+        if module is None or not file or module.__name__ == "__main__" or _installed(file) \
+                or module.__name__.split(".")[0] == "hpsweep":
+            continue
+        cloudpickle.register_pickle_by_value(module)
+        folders.add(Path(file).resolve().parent)
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and "." not in name and not name.startswith("hpsweep") and not file.endswith("__init__.py") \
+        if file and not name.startswith("hpsweep") and not file.endswith("__init__.py") and not _installed(file) \
                 and Path(file).resolve().parent in folders:
             cloudpickle.register_pickle_by_value(module)
+
+
+def _installed(file: str) -> bool:
+    """Whether ``file`` belongs to an installed package or the standard library (workers import those)."""
+    return "site-packages" in file or "dist-packages" in file or file.startswith(sys.base_prefix)
 
 
 # --- nodes without --output-dir ---------------------------------------------------------------------
