@@ -17,12 +17,19 @@ local loop does, so counting, running again and two commands on one folder work 
 On a node that does not see ``--output-dir`` there is no ledger to lock: the trial runs without
 a lease in a node-local folder shipped through Ray's storage (`NodeLocalRuns`), and the driver's
 round size alone keeps the count.
+
+Tune stops a trial without waiting for its function (``session.finish(timeout=0)``) and then ends
+the actor: the trial's own ending (its record, the lease, a node-local folder shipped) runs on a
+daemon thread the actor's exit would cut short. `_InFlight` holds the actor's exit until it is done.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +114,47 @@ class SweepStopped(KeyboardInterrupt):
     """Tune stopped the trial because the driver stopped the sweep: the trial runs again later."""
 
 
+class _StopWatch:
+    """Stops a training trial when the driver writes the sweep's stop file, as a signal stops a
+    local worker: `SweepStopped` is raised in the training thread at its next Python instruction.
+
+    Tune's own stop reaches a trial only inside `ray.tune.report` (at an evaluation), and Tune
+    kills the actor 10 s after asking it to stop: a trial with long epochs would die with its
+    record still ``running``. The stop file is looked at every `POLL_S` seconds while armed.
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, stop_file: Path | None) -> None:
+        self.stop_file = stop_file
+        self._target = threading.get_ident()
+        self._armed = threading.Lock()
+        self._done = threading.Event()
+
+    @contextlib.contextmanager
+    def armed(self) -> Any:
+        if self.stop_file is None:
+            yield
+            return
+        watcher = threading.Thread(target=self._watch, name="hpsweep-stop-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            with self._armed:
+                self._done.set()
+
+    def _watch(self) -> None:
+        assert self.stop_file is not None
+        while not self._done.wait(self.POLL_S):
+            if self.stop_file.exists():
+                with self._armed:
+                    if not self._done.is_set():
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
+                                                                   ctypes.py_object(SweepStopped))
+                return
+
+
 def worst(directions: list[str]) -> dict[str, float]:
     """The objective a trial without a result reports: Tune's schedulers need one in every result
     (PBT raises without it) and rank this one last; hpsweep's searcher ignores it (`FAILED_KEY`)."""
@@ -120,8 +168,47 @@ def objective_metrics(objective: Any) -> dict[str, float]:
     return {METRIC: float(objective)}
 
 
+class _InFlight:
+    """The trial functions still running in this actor process; at the actor's exit (Tune's
+    ``__ray_terminate__`` runs ``atexit`` handlers) waits up to `ENDING_WAIT_S` for them to end.
+    Tune force-kills an actor 10 s after it asked it to stop: the wait stays under that."""
+
+    ENDING_WAIT_S = 8.0
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._changed = threading.Condition()
+        self._registered = False
+
+    @contextlib.contextmanager
+    def running(self) -> Any:
+        with self._changed:
+            self._count += 1
+            if not self._registered:
+                atexit.register(self.wait)
+                self._registered = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._count -= 1
+                self._changed.notify_all()
+
+    def wait(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._count == 0, timeout=self.ENDING_WAIT_S)
+
+
+_IN_FLIGHT = _InFlight()
+
+
 def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
     """The Tune function trainable: one trial of the sweep (see the module's docstring)."""
+    with _IN_FLIGHT.running():
+        _train_trial(config, runner, plan)
+
+
+def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
     for key, value in WORKER_ENV.items():  # read by this actor's reset_config(), also when the user called ray.init
         os.environ.setdefault(key, value)
     ctx = tune.get_context()
@@ -173,8 +260,9 @@ def _claim_once(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any],
             assert again is not None
             trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
         elif earlier is not None:  # Tune starts this trial once more: a retry, or a paused trial resumed
-            if earlier.state == "running":
-                return "busy"
+            if earlier.state == "running" or any(lease.trial == tune_id and lease.alive()
+                                                 for lease in ledger.leases()):
+                return "busy"  # its previous run is still ending (recorded, but the lease is held)
             claim = ledger.claim_trial(tune_id, states=(AGAIN, "pruned"))
             if claim is None:
                 return None
@@ -234,7 +322,8 @@ def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRu
                 trial.user_attrs["resume_from"] = folder
             earlier = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
             try:
-                runner(trial)
+                with _StopWatch(trial.stop_file).armed():
+                    runner(trial)
             except (TrialPruned, SweepStopped):
                 pass
             except TrialFailed:
