@@ -300,8 +300,8 @@ class Trainer:
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
-        if control.should_log and logged_steps:
-            logs = {"loss": round(float(running_loss) / logged_steps, 6),
+        if control.should_log and logged_steps:  # data-parallel: the processes' mean, reduced only here
+            logs = {"loss": round(float(self.accelerator.reduce(running_loss, "mean")) / logged_steps, 6),
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             self.log(logs)
             running_loss, logged_steps = torch.zeros_like(running_loss), 0
