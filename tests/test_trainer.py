@@ -229,7 +229,7 @@ def test_hf_transformers_space_pushes_a_from_pretrained_model(tmp_path: Path) ->
     assert (tmp_path / "best" / "config.json").exists() and (tmp_path / "best" / "model.safetensors").exists()
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")  # the first step is skipped
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the first step is skipped
 def test_an_fp16_gradient_scaler_comes_back_with_its_checkpoint(tmp_path: Path) -> None:
     # accelerate makes no GradScaler on the CPU (fp16 needs a GPU there: tests/test_gpu.py runs the
     # whole trial), so this drives torch's own CPU scaler through the checkpoint code. A loss scaled
