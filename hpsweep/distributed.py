@@ -13,6 +13,11 @@ rank takes every N-th batch, so the effective batch is ``per_device_train_batch_
 - **Reports and pruning.** Rank 0 sends each evaluation, and the question whether to prune,
   through a pipe to this process, which asks the backend; rank 0 broadcasts the answer, so a
   prune stops all N at the same step.
+- **Logged loss.** Each rank sums its own batches' losses; at a logging step every rank takes
+  part in one all-reduce (`Trainer._log_save_evaluate`), so the logged ``loss`` is the mean over
+  all N processes' batches, the loss of the effective batch. Logging steps follow the arguments
+  and the callbacks every rank runs, so all N reach the collective together (the callbacks only
+  rank 0 gets, the sweep's trackers, never ask for a log).
 - **Checkpoints.** Rank 0 alone writes them (`Trainer.save_checkpoint`); the others wait for it;
   a resumed trial's ranks all load the same checkpoint.
 - **Failures.** The first rank to raise fails the trial with its error and traceback (a CUDA

@@ -136,10 +136,16 @@ class TrialLoop:
         its slot's GPUs (see `hpsweep.devices`)."""
         placement = devices.plan_for(self.settings)
         if placement.slots == 1:
-            with _signals_interrupt(), devices.placed(placement, 0):
+            with _signals_interrupt(), self.placed(placement):
                 self.work(backend)
             return
         _Supervisor(self, backend, placement).run()
+
+    def placed(self, placement: devices.Placement | None = None) -> Any:
+        """A context in which this process runs its trials one at a time, as the first ``--n-jobs``
+        slot: its GPUs (``CUDA_VISIBLE_DEVICES``) and CPU threads. For a backend whose own loop runs
+        trials in this process (W&B's agent) as for the search layer's."""
+        return devices.placed(placement or devices.plan_for(self.settings), 0)
 
 
 class _Supervisor:

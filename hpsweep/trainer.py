@@ -204,9 +204,7 @@ class Trainer:
                                           num_train_epochs=math.ceil(max_steps / steps_per_epoch),
                                           trial_number=getattr(trial, "number", None),
                                           trial_params=dict(trial.params) if trial is not None else None)
-        rng_state = None
-        if checkpoint is not None:
-            rng_state = self._load_checkpoint(checkpoint)
+        rng_state = self._load_checkpoint(checkpoint) if checkpoint is not None else None
         self.control = control = TrainerControl()
         self._checkpoint_writer = runs.CheckpointWriter()
         handler = self._handler
@@ -302,8 +300,8 @@ class Trainer:
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
-        if control.should_log and logged_steps:
-            logs = {"loss": round(float(running_loss) / logged_steps, 6),
+        if control.should_log and logged_steps:  # data-parallel: the processes' mean, reduced only here
+            logs = {"loss": round(float(self.accelerator.reduce(running_loss, "mean")) / logged_steps, 6),
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             self.log(logs)
             running_loss, logged_steps = torch.zeros_like(running_loss), 0
@@ -447,7 +445,7 @@ class Trainer:
         if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
             snapshot = runs.snapshot_checkpoint(model=acc.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
                                                 scheduler=self.lr_scheduler, state=self.state.to_dict(),
-                                                args=self.args.to_dict(), copy=background)
+                                                args=self.args.to_dict(), scaler=acc.scaler, copy=background)
             best = self.state.best_model_checkpoint
             writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
                           background=background)
@@ -478,9 +476,10 @@ class Trainer:
         return path
 
     def _load_checkpoint(self, folder: Path) -> Any:
-        """Restore weights, optimizer, scheduler, trainer and callback state; returns the RNG state."""
-        state, rng_state = runs.read_checkpoint(folder, model=self.accelerator.unwrap_model(self.model_wrapped),
-                                                optimizer=self.optimizer, scheduler=self.lr_scheduler)
+        """Restore weights, optimizer, scheduler (+ fp16 scaler), trainer and callback state; returns the RNG state."""
+        acc = self.accelerator
+        state, rng_state = runs.read_checkpoint(folder, model=acc.unwrap_model(self.model_wrapped),
+                                                optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=acc.scaler)
         saved = TrainerState.from_dict(state)
         for name in ("global_step", "epoch", "num_evaluations", "log_history", "best_metric", "best_model_checkpoint",
                      "callbacks"):

@@ -37,6 +37,12 @@ def rank_steps(record: runs.TrialRecord) -> dict[str, int]:
     return {p.stem: json.loads(p.read_text())["global_step"] for p in sorted(Path(record.run_dir).glob("rank-*.json"))}
 
 
+def training_losses(record: runs.TrialRecord) -> list[tuple[int, float]]:
+    """(step, loss) of each logged training loss, as the trial's last checkpoint holds them."""
+    state = json.loads((Path(record.run_dir) / record.checkpoint / "trainer_state.json").read_text())
+    return [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
+
+
 def session_processes(sid: int) -> list[int]:
     """Processes still running in session ``sid`` (the command and anything it started)."""
     found = []
@@ -85,6 +91,12 @@ def test_two_processes_train_what_one_does_with_twice_the_batch(tmp_path: Path) 
     assert [h["step"] for h in two.history] == [h["step"] for h in one.history]
     for a, b in zip(two.history, one.history):
         assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5 and a["eval_accuracy"] == b["eval_accuracy"]
+    # the logged training loss is the mean over both processes' batches, which is the loss of the
+    # 64-sample batch one process computes (not the first process's 32 samples alone)
+    ours, theirs = training_losses(two), training_losses(one)
+    assert [step for step, _ in ours] == [step for step, _ in theirs] == [steps // 2, steps]
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert abs(a - b) < 1e-5, (ours, theirs)
 
 
 def test_a_prune_decision_stops_both_processes_at_the_same_step(tmp_path: Path) -> None:

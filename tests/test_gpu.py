@@ -123,3 +123,45 @@ def model_init(trial):
     assert failed.state == "failed" and complete.state == "complete"
     assert failed.error.startswith("OutOfMemoryError: CUDA out of memory.") and "\n" not in failed.error
     assert "smaller per_device_train_batch_size" in failed.error and "--resources-per-trial gpu=1" in failed.error
+
+
+class _LoudNet(torch.nn.Module):
+    """A loss a thousand times too large (and a learning rate as much smaller, see the test): the
+    fp16 gradients overflow at accelerate's initial loss scale, so the scaler backs off and skips
+    steps, as it does in real fp16 runs now and then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits.float(), labels) * 1e3, "logits": logits}
+
+
+def test_an_fp16_trial_resumed_from_a_checkpoint_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    import hpsweep
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    train = torch.utils.data.TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
+
+    def trainer(out: Path) -> hpsweep.Trainer:
+        args = hpsweep.TrainingArguments(output_dir=str(out), num_train_epochs=3, per_device_train_batch_size=32,
+                                         learning_rate=1e-5, optim="sgd", mixed_precision="fp16", eval_strategy="no",
+                                         save_strategy="steps", save_steps=8, disable_progress=True)
+        return hpsweep.Trainer(model_init=_LoudNet, args=args, train_dataset=train)
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    assert full.accelerator.scaler is not None
+    scaler = json.loads((tmp_path / "full" / "checkpoint-8" / runs.SCALER_FILE).read_text())
+    assert scaler["scale"] < 65536.0  # accelerate's initial scale overflowed: steps were skipped
+
+    resumed = trainer(tmp_path / "resumed")  # what a sweep does with a trial whose process was killed
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+    assert resumed.accelerator.scaler.state_dict() == full.accelerator.scaler.state_dict()
+    assert resumed.state.global_step == full.state.global_step == 24
+    ours, theirs = full.model.state_dict(), resumed.model.state_dict()
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], atol=1e-6, rtol=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -24,6 +25,7 @@ from hpsweep import runs
 
 from conftest import hpsweep_cli, write_space
 from sweep_invariants import violations
+from test_data_parallel import RANK_LOG, rank_steps
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -404,6 +406,30 @@ def test_an_open_port_that_is_not_ray_is_one_line_and_exit_2_within_seconds(tmp_
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a Ray cluster" in lines[0] and "--address" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_processes_per_trial_trains_each_ray_trial_over_forked_processes_with_a_cpu_each(tmp_path: Path) -> None:
+    # No --address: the command starts a local Ray. model_init runs in the trial's Tune worker, before
+    # it forks the trial's two gloo processes: it records what Ray reserved for that worker.
+    model_init = '''
+import json, os
+def model_init(trial):
+    import ray
+    with open(os.path.join(args.output_dir, "..", f"reserved-{trial.number}.json"), "w") as f:
+        json.dump({"resources": ray.get_runtime_context().get_assigned_resources(), "pid": os.getpid()}, f)
+    return Net()
+'''
+    space = write_space(tmp_path, model_init=model_init, epochs=1, extra=RANK_LOG)
+    hpsweep_cli("run", space, "--backend", "ray", "--n-trials", "1", "--processes-per-trial", "2", check=True,
+                timeout=240)
+    [record] = runs.read_trials(tmp_path / "out")
+    assert record.state == "complete" and record.user_attrs["processes"] == 2
+    assert rank_steps(record) == {"rank-0": 4, "rank-1": 4}  # 256 samples, 32 per process x 2: 4 steps an epoch
+    reserved = json.loads((tmp_path / "reserved-0.json").read_text())
+    assert reserved["resources"]["CPU"] == 2.0  # one CPU per process, not Ray's default of one per trial
+    ranks = {json.loads(p.read_text())["pid"] for p in Path(record.run_dir).glob("rank-*.json")}
+    assert len(ranks) == 2 and reserved["pid"] not in ranks and record.user_attrs["pid"] == reserved["pid"]
+    assert not violations(tmp_path / "out", 1)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -227,3 +227,53 @@ def test_hf_transformers_space_pushes_a_from_pretrained_model(tmp_path: Path) ->
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "best")
     assert model.config.hidden_size == best["hyperparameters"]["hidden_size"]
     assert (tmp_path / "best" / "config.json").exists() and (tmp_path / "best" / "model.safetensors").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the first step is skipped
+def test_an_fp16_gradient_scaler_comes_back_with_its_checkpoint(tmp_path: Path) -> None:
+    # accelerate makes no GradScaler on the CPU (fp16 needs a GPU there: tests/test_gpu.py runs the
+    # whole trial), so this drives torch's own CPU scaler through the checkpoint code. A loss scaled
+    # by 1e30 (and a learning rate divided by it) puts float32's limit where fp16's is for a real
+    # fp16 run: the scale backs off on overflowing steps, which are skipped, and grows after 2 good
+    # ones. A resumed run with a fresh scaler would skip other steps and end elsewhere.
+    big = 1e30
+
+    def start() -> tuple[nn.Module, torch.optim.Optimizer, object, torch.amp.GradScaler]:
+        torch.manual_seed(0)
+        model = Net(dropout=0.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / big)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), \
+            torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=2)
+
+    x, y = TRAIN.tensors
+
+    def steps(model, optimizer, scheduler, scaler, first: int, last: int) -> None:
+        for i in range(first, last):
+            batch = slice(32 * (i % 6), 32 * (i % 6 + 1))
+            optimizer.zero_grad()
+            scaler.scale(model(x[batch], y[batch])["loss"] * big).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+
+    full = start()
+    steps(*full, 0, 3)
+    runs.write_checkpoint(tmp_path / "checkpoint-3", model=full[0], optimizer=full[1], scheduler=full[2],
+                          state={"global_step": 3}, args={}, scaler=full[3])
+    steps(*full, 3, 12)
+
+    saved = json.loads((tmp_path / "checkpoint-3" / runs.SCALER_FILE).read_text())  # plain JSON, no pickle
+    assert saved["scale"] == 2.0**28 and saved["_growth_tracker"] == 1  # backed off twice, then one good step
+
+    def resumed(restore_scaler: bool) -> tuple:
+        run = start()
+        runs.read_checkpoint(tmp_path / "checkpoint-3", model=run[0], optimizer=run[1], scheduler=run[2],
+                             scaler=run[3] if restore_scaler else None)
+        steps(*run, 3, 12)
+        return run
+
+    run = resumed(restore_scaler=True)
+    assert run[3].state_dict() == full[3].state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(run[0].state_dict().values(), full[0].state_dict().values()))
+    fresh = resumed(restore_scaler=False)  # what resuming did before the scaler was saved
+    assert not all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), full[0].state_dict().values()))

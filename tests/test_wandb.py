@@ -188,3 +188,15 @@ def test_ctrl_c_then_rerun_finishes_the_stopped_trial_from_its_checkpoint(tmp_pa
     assert (done.number, done.state, done.params) == (0, "complete", stopped.params)
     assert kept.stat().st_mtime_ns == written and len(done.history) == 12  # resumed, not retrained
     assert len(_offline_runs(out)) == 2  # one W&B run per attempt
+
+
+def test_wandb_trials_are_placed_on_gpus_as_optuna_trials_are(tmp_path: Path, offline: dict) -> None:
+    # Two faked GPUs: a trial sees the first slot's GPU, as an Optuna trial does, and gpu=0 hides them.
+    # (The online path, wandb.agent against a W&B server, enters the same placement; no server here.)
+    space = write_space(tmp_path, epochs=1)
+    env = {**offline, "HPSWEEP_FAKE_GPUS": "2"}
+    for flags, out, seen in (([], "one", ["0"]), (["--resources-per-trial", "gpu=0"], "none", ["cpu"])):
+        proc = _run(space, env, "--n-trials", "1", "--sampler", "random", "--output-dir", str(tmp_path / out), *flags)
+        assert proc.returncode == 0, proc.stderr
+        [record] = runs.read_trials(tmp_path / out)
+        assert record.state == "complete" and record.user_attrs["devices"] == seen

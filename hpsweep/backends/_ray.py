@@ -73,7 +73,8 @@ DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died befor
 class RayBackend(Backend):
     """Search with Ray Tune. Samplers: tpe (default; Optuna's TPE via `OptunaSearch`), random;
     schedulers: fifo (default), asha, hyperband, pbt. ``--n-jobs`` caps concurrent trials,
-    ``--resources-per-trial cpu=N,gpu=F`` reserves resources for each (fractional GPUs allowed).
+    ``--resources-per-trial cpu=N,gpu=F`` reserves resources for each (fractional GPUs allowed;
+    by default a CPU per process of a ``--processes-per-trial`` trial, which its worker forks).
 
     Options (``hyperparameter_search(backend="ray", ...)``): ``max_failures`` (Tune's retries of a
     trial whose worker died, default 1), ``reuse_actors`` (default True), ``max_t`` (evaluations per
@@ -114,7 +115,10 @@ class RayBackend(Backend):
             raise UserError(f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)")
         if resources.get("cpu", 1.0) < 0 or resources.get("gpu", 0.0) < 0:
             raise UserError(f"--resources-per-trial {resources}: resources cannot be negative")
-        self.resources = {"cpu": resources.get("cpu", 1.0), "gpu": resources.get("gpu", 0.0)}
+        # A data-parallel trial (--processes-per-trial N) runs N processes forked by its Tune worker:
+        # a CPU for each by default, as the GPUs are one per process (`hpsweep.devices.plan`).
+        self.resources = {"cpu": resources.get("cpu", float(settings.processes_per_trial)),
+                          "gpu": resources.get("gpu", 0.0)}
         storage = settings.options.get("storage") or settings.storage
         if storage and "://" in str(storage):
             self.storage_path = str(storage)

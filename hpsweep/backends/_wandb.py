@@ -201,8 +201,9 @@ class WandbBackend(Backend):
 
     def run(self, loop: Any) -> None:
         saved = self._load_sweep_file()
-        if self.online:
-            self._run_online(loop.runner, self.settings.options.get("sweep_id") or saved.get("sweep_id"), loop)
+        if self.online:  # the agent trains in this process: placed as the offline loop's trials are
+            with loop.placed():
+                self._run_online(loop.runner, self.settings.options.get("sweep_id") or saved.get("sweep_id"), loop)
         else:
             super().run(loop)
 

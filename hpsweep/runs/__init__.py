@@ -3,7 +3,8 @@
 Layout (``DIR`` is ``--output-dir``)::
 
     DIR/run-<id>/checkpoint-<step>/   model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth,
-                                      trainer_state.json, training_args.json (+ config.json)
+                                      trainer_state.json, training_args.json (+ config.json;
+                                      + scaler.json, fp16's gradient scaler)
     DIR/run-<id>/trial.json           the `TrialRecord`
     DIR/best/                         the best run's checkpoint, with README.md
     DIR/best_run.json                 the `BestRun` (a list of them for multi-objective sweeps)
@@ -16,6 +17,7 @@ folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``).
 from ._atomic import atomic_dir, read_json, recover_interrupted_swaps, write_json, write_text
 from ._checkpoints import (
     CHECKPOINT_PREFIX,
+    SCALER_FILE,
     CheckpointSnapshot,
     CheckpointWriter,
     checkpoints,
@@ -54,7 +56,7 @@ from ._records import (
 
 __all__ = [
     "atomic_dir", "read_json", "recover_interrupted_swaps", "write_json", "write_text",
-    "CHECKPOINT_PREFIX", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
+    "CHECKPOINT_PREFIX", "SCALER_FILE", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
     "load_weights", "read_checkpoint", "rng_state", "rotate_checkpoints", "save_weights", "set_rng_state",
     "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
     "BEST_DIR", "BEST_FILE", "FINAL_STATES", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialRecord",

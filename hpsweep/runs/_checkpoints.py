@@ -17,6 +17,7 @@ from typing import Any
 from ._atomic import _json_default, atomic_dir, read_json
 
 CHECKPOINT_PREFIX = "checkpoint-"
+SCALER_FILE = "scaler.json"
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -100,21 +101,26 @@ class CheckpointSnapshot:
     rng: dict[str, Any]
     state: dict[str, Any]
     args: dict[str, Any]
+    scaler: dict[str, Any] | None = None  # fp16's gradient scaler: its scale and growth tracker (plain numbers)
 
 
 def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                        args: Mapping[str, Any], copy: bool = True) -> CheckpointSnapshot:
+                        args: Mapping[str, Any], scaler: Any = None, copy: bool = True) -> CheckpointSnapshot:
     """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
     tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
-    live state and must be written before training goes on."""
+    live state and must be written before training goes on. ``scaler``: fp16's ``GradScaler``
+    (accelerate's ``Accelerator.scaler``), whose state is plain numbers, copied either way."""
+    scaler_state = (scaler.state_dict() or None) if scaler is not None else None  # a disabled scaler has none
     if not copy:
         return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
-                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args))
+                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args),
+                                  scaler=scaler_state)
     memo: dict[Any, Any] = {}
     return CheckpointSnapshot(model=model, weights=_cpu_copy(model.state_dict(), memo),
                               optimizer=_cpu_copy(optimizer.state_dict(), memo),
                               scheduler=_cpu_copy(scheduler.state_dict(), memo), rng=rng_state(),
-                              state=_cpu_copy(dict(state), memo), args=_cpu_copy(dict(args), memo))
+                              state=_cpu_copy(dict(state), memo), args=_cpu_copy(dict(args), memo),
+                              scaler=scaler_state)
 
 
 def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
@@ -138,7 +144,7 @@ def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
 def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
     """Write a whole checkpoint folder atomically: weights (safetensors), optimizer, scheduler and
     RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them),
-    trainer_state.json and training_args.json."""
+    trainer_state.json, training_args.json, and scaler.json when fp16 training has a gradient scaler."""
     import torch
 
     with atomic_dir(final) as tmp:
@@ -147,16 +153,19 @@ def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
         torch.save(snapshot.scheduler, tmp / "scheduler.pt")
         torch.save(snapshot.rng, tmp / "rng_state.pth")
         # Plain writes: the folder is renamed into place as a whole, its files need no renames of their own.
-        for name, data in (("trainer_state.json", snapshot.state), ("training_args.json", snapshot.args)):
+        files = [("trainer_state.json", snapshot.state), ("training_args.json", snapshot.args)]
+        if snapshot.scaler is not None:
+            files.append((SCALER_FILE, snapshot.scaler))
+        for name, data in files:
             (tmp / name).write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
     return final
 
 
 def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                     args: Mapping[str, Any]) -> Path:
+                     args: Mapping[str, Any], scaler: Any = None) -> Path:
     """Write a checkpoint of the objects as they are now, on this thread (see `write_snapshot`)."""
     return write_snapshot(final, snapshot_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler,
-                                                     state=state, args=args, copy=False))
+                                                     state=state, args=args, scaler=scaler, copy=False))
 
 
 class CheckpointWriter:
@@ -205,17 +214,22 @@ class CheckpointWriter:
             raise error
 
 
-def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any) -> tuple[dict[str, Any], Any]:
+def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any,
+                    scaler: Any = None) -> tuple[dict[str, Any], Any]:
     """Load a checkpoint written by `write_checkpoint` into the given objects (never with pickle).
 
-    Returns the trainer state (a dict) and the RNG state, which the caller restores when the
-    resumed run reaches the point the checkpoint was taken at (`set_rng_state`).
+    ``scaler`` (fp16's ``GradScaler``) gets its scale and growth tracker back when the checkpoint
+    has them; a checkpoint without (bf16, fp32, or one written before they were saved) leaves it
+    as it starts. Returns the trainer state (a dict) and the RNG state, which the caller restores
+    when the resumed run reaches the point the checkpoint was taken at (`set_rng_state`).
     """
     import torch
 
     load_weights(model, folder)
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    if scaler is not None and (folder / SCALER_FILE).exists():
+        scaler.load_state_dict(read_json(folder / SCALER_FILE))
     return read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
 
 
