@@ -172,3 +172,10 @@ def split_labels(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (list, tuple)) and len(batch) > 1:
         return batch[:-1], batch[-1]
     return batch, None
+
+
+def check_not_empty(dataset: Any, name: str) -> None:
+    """An empty dataset fails every trial the same way: say so, instead of torch's sampler error."""
+    resolved = resolve_dataset(dataset)
+    if hasattr(resolved, "__len__") and len(resolved) == 0:
+        raise UserError(f"{name} is empty (0 samples); give it data")

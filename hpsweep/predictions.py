@@ -17,6 +17,7 @@ import torch
 
 from .callbacks import EvalPrediction
 from .data import batch_labels, batch_size
+from .errors import UserError
 
 
 class HFEvalPrediction(EvalPrediction):
@@ -193,3 +194,15 @@ def full_eval_precision(args: Any, device: torch.device) -> Any:
     """``fp16_full_eval`` / ``bf16_full_eval``: evaluation runs under autocast in that precision."""
     dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any) -> dict[str, float]:
+    """``compute_metrics(prediction)`` as ``eval_*`` floats; a wrong use is one `UserError`."""
+    if prediction is None:
+        raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
+                        "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
+    computed = compute_metrics(prediction)
+    if not isinstance(computed, Mapping):
+        raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
+                        "float, e.g. {'accuracy': 0.9}")
+    return {key if key.startswith("eval_") else f"eval_{key}": float(value) for key, value in computed.items()}

@@ -29,15 +29,16 @@ from .callbacks import (
     TrainerControl,
     TrainerState,
 )
-from .data import (Collator, default_data_collator, is_hf_dataset, label_names_for, remove_unused_columns,
-                   resolve_dataset, signature_columns, split_labels)
+from .accel import make_accelerator
+from .data import (Collator, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
+                   remove_unused_columns, resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
 from .hf import as_training_arguments, default_collator, save_processing_class, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
-from .predictions import (PredictionCollector, call_model, describe, evaluation_loop, full_eval_precision,
-                          ignore_keys_for, loss_of)
+from .predictions import (PredictionCollector, call_model, computed_metrics, describe, evaluation_loop,
+                          full_eval_precision, ignore_keys_for, loss_of)
 from .steps import step_ops
 
 
@@ -126,23 +127,6 @@ class Trainer:
         assert self.model_init is not None
         return call_model_init(self.model_init, trial)
 
-    def _make_accelerator(self) -> Any:
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState, PartialState
-        from accelerate.utils import DataLoaderConfiguration
-
-        _cache_accelerate_package_probes()
-        if PartialState().num_processes == 1:
-            # Each run may use a different precision; accelerate keeps a process-wide state.
-            AcceleratorState._reset_state()
-            GradientState._reset_state()
-        try:
-            return Accelerator(mixed_precision=self.args.mixed_precision, cpu=self.args.use_cpu,
-                               gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-        except ValueError as exc:
-            raise UserError(f"mixed_precision={self.args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU") from None
-
     def _dataloader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
         """A loader whose batches hold only what the model takes (``remove_unused_columns``)."""
         dataset = resolve_dataset(dataset)
@@ -176,11 +160,11 @@ class Trainer:
             self.model = self.call_model_init(trial)
         if self.train_dataset is None:
             raise UserError("no train_dataset; give the Trainer a train_dataset")
-        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
 
-        self.accelerator = acc = self._make_accelerator()
+        self.accelerator = acc = make_accelerator(self.args)
         self._eval_loaders: dict[Any, Any] = {}  # prepared loaders belong to one accelerator
-        _check_not_empty(self.train_dataset, "train_dataset")
+        check_not_empty(self.train_dataset, "train_dataset")
         train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
         if len(train_dl) == 0:
             raise UserError("train_dataset is empty (or smaller than one batch with dataloader_drop_last)")
@@ -370,7 +354,7 @@ class Trainer:
         if dataset is None:
             raise UserError("no eval_dataset to evaluate on; give the Trainer an eval_dataset, or set "
                             "eval_strategy='no' and an objective that needs no evaluation")
-        acc = getattr(self, "accelerator", None) or self._make_accelerator()
+        acc = getattr(self, "accelerator", None) or make_accelerator(self.args)
         self.accelerator = acc
         if getattr(self, "model_wrapped", None) is None:
             if self.model is None:
@@ -397,15 +381,7 @@ class Trainer:
         metrics: dict[str, float] = {"eval_loss": loss}
         prediction = collector.result()
         if self.compute_metrics is not None:
-            if prediction is None:
-                raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
-                                "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
-            computed = self.compute_metrics(prediction)
-            if not isinstance(computed, Mapping):
-                raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
-                                "float, e.g. {'accuracy': 0.9}")
-            for key, value in computed.items():
-                metrics[key if key.startswith("eval_") else f"eval_{key}"] = float(value)
+            metrics.update(computed_metrics(self.compute_metrics, prediction))
         self.state.num_evaluations += 1
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
                            eval_prediction=prediction)
@@ -462,19 +438,6 @@ class Trainer:
         runs.save_weights(model, output_dir)
         save_processing_class(self.processing_class, output_dir)
 
-    def _resolve_checkpoint(self, resume: str | bool | None) -> Path | None:
-        if not resume:
-            return None
-        if resume is True:
-            found = runs.latest_checkpoint(Path(self.args.output_dir))
-            if found is None:
-                raise UserError(f"resume_from_checkpoint=True, but {self.args.output_dir} holds no checkpoint")
-            return found
-        path = Path(resume)
-        if not (path / "trainer_state.json").exists():
-            raise UserError(f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder")
-        return path
-
     def _load_checkpoint(self, folder: Path) -> Any:
         """Restore weights, optimizer, scheduler (+ fp16 scaler), trainer and callback state; returns the RNG state."""
         acc = self.accelerator
@@ -512,26 +475,4 @@ class Trainer:
         return search(self, space=space, hp_space=hp_space, n_trials=n_trials, direction=direction,
                       objective=objective if objective is not None else compute_objective,
                       backend=backend or "optuna", hp_name=hp_name, **backend_options)
-
-
-# --- helpers -------------------------------------------------------------------------------------------
-
-def _cache_accelerate_package_probes() -> None:
-    """accelerate's optimizer asks `is_lomo_available()` twice per step, and each answer is a
-    filesystem search (importlib find_spec + package metadata): ~0.3 ms a step, a third of a small
-    model's step here. Installed packages do not change while we train, so ask once."""
-    import functools
-
-    import accelerate.optimizer as acc_optimizer
-
-    probe = acc_optimizer.is_lomo_available
-    if not hasattr(probe, "cache_info"):
-        acc_optimizer.is_lomo_available = functools.cache(probe)
-
-
-def _check_not_empty(dataset: Any, name: str) -> None:
-    """An empty dataset fails every trial the same way: say so, instead of torch's sampler error."""
-    resolved = resolve_dataset(dataset)
-    if hasattr(resolved, "__len__") and len(resolved) == 0:
-        raise UserError(f"{name} is empty (0 samples); give it data")
 

@@ -48,6 +48,8 @@ CASES = {
         """), ["hp_space(trial) raised ValueError", "fix hp_space"]),
     "an error inside the space file": (dict(extra="raise ValueError('no data here')"),
                                        ["raised ValueError: no data here"]),
+    # accelerate would take it and quietly train in fp32 (no GPU here): not the run that was asked for
+    "fp16 without a GPU": (dict(extra_args=", fp16=True"), ["mixed_precision='fp16'", "needs a CUDA GPU", "bf16=True"]),
 }
 
 

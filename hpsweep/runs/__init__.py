@@ -24,6 +24,7 @@ from ._checkpoints import (
     latest_checkpoint,
     load_weights,
     read_checkpoint,
+    resolve_checkpoint,
     rng_state,
     rotate_checkpoints,
     save_weights,
@@ -57,8 +58,8 @@ from ._records import (
 __all__ = [
     "atomic_dir", "read_json", "recover_interrupted_swaps", "write_json", "write_text",
     "CHECKPOINT_PREFIX", "SCALER_FILE", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
-    "load_weights", "read_checkpoint", "rng_state", "rotate_checkpoints", "save_weights", "set_rng_state",
-    "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
+    "load_weights", "read_checkpoint", "resolve_checkpoint", "rng_state", "rotate_checkpoints", "save_weights",
+    "set_rng_state", "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
     "BEST_DIR", "BEST_FILE", "FINAL_STATES", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialRecord",
     "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best", "read_best",
     "read_trials", "run_dir_for", "safe_name", "trial_files",

@@ -266,3 +266,19 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def resolve_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | None:
+    """The checkpoint ``resume_from_checkpoint`` names: ``True`` for the latest in ``output_dir``,
+    a path for that ``checkpoint-<step>`` folder; a wrong one is one `UserError`."""
+    from ..errors import UserError
+
+    if not resume:
+        return None
+    if resume is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise UserError(f"resume_from_checkpoint=True, but {output_dir} holds no checkpoint")
+        return found
+    path = Path(resume)
+    if not (path / "trainer_state.json").exists():
+        raise UserError(f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder")
+    return path
