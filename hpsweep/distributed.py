@@ -49,7 +49,7 @@ from .errors import UserError
 from .trial import Trial
 
 if TYPE_CHECKING:
-    from .sweep import TrainOutcome, TrialRunner
+    from .runner import TrainOutcome, TrialRunner
 
 TIMEOUT_ENV = "HPSWEEP_DIST_TIMEOUT_S"
 STOP_GRACE_S = 10.0  # how long stopped ranks get to leave (a checkpoint being written) before SIGKILL

@@ -50,7 +50,7 @@ class TrialLoop:
     ``max_failed_trials`` trials of this command failed.
 
     Args:
-        runner: trains one trial (the `hpsweep.sweep.TrialRunner`); raises `TrialPruned`,
+        runner: trains one trial (the `hpsweep.runner.TrialRunner`); raises `TrialPruned`,
             `TrialFailed` (recorded), `UserError` (the sweep cannot go on) or an interrupt.
         settings: the search's settings.
     """
