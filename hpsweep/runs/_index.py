@@ -7,8 +7,9 @@ index learns what changed from three cheap sources instead:
 
 - the journal, ``DIR/.trials.journal``: `TrialRecord.save` appends the run folder's name after
   every write, in whatever process or host writes it (a worker, a second command, a Ray worker);
-- the records that change on their own (``running``, ``stopped``) are checked at every refresh,
-  so a record whose writer was killed before it wrote the journal line is still seen;
+- the records still in play (``running``, ``stopped``: the states a trial's own process or a
+  claim moves on) are checked at every refresh, so a change whose writer was killed before it
+  wrote the journal line is still seen;
 - every `VERIFY_S` seconds, and when a lease died, the whole folder is listed and every record
   checked: a record edited by hand, or a journal line lost (two hosts appending over NFS at once),
   is seen within that time.
@@ -24,14 +25,14 @@ from pathlib import Path
 from ._records import JOURNAL, TRIAL_FILE, TrialRecord, load_record, trial_names
 
 VERIFY_S = 5.0
-UNSETTLED = ("running", "stopped")  # states a record leaves without a journal line, if its writer dies
+UNSETTLED = ("running", "stopped")  # checked at every refresh: see the module's docstring
 
 
 class TrialIndex:
     """The records of one output folder, by run folder name and by state.
 
     Use one per thread (the ledger has one, the progress display another); `records` hands out the
-    index's own objects, so load a record again (`TrialRecord.load`) before changing it.
+    index's own objects, so copy a record (`dataclasses.replace`) before changing it.
 
     Args:
         output_dir: the sweep's folder.
