@@ -1,11 +1,12 @@
-"""Parallel trials with torch's default thread count against `hpsweep.threads.trial_threads`.
+"""Parallel trials with torch's default thread count against the threads an ``--n-jobs`` worker gets.
 
     python bench/threads.py                     # 2 trials at once, 5 rounds: about 3 minutes here
     python bench/threads.py --parallel 3 --rounds 3
 
 Each round starts ``--parallel`` training processes at once (what ``--n-jobs`` does) twice: once
 with torch's default intra-op threads (one per core of the machine, in every process), once with
-``set_trial_threads(parallel)`` (the usable cores split between them). The two variants alternate,
+the threads `hpsweep.devices` gives each of ``--n-jobs parallel`` workers (the usable cores split
+between them). The two variants alternate,
 and the ratio is taken within each round. A trial: 15 steps of a 512-1024-1024-10 MLP at batch
 256 with AdamW, big enough for torch to use its threads.
 """
@@ -24,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRIAL = '''
 import sys, torch
 from torch import nn
-if sys.argv[1] == "split":
-    from hpsweep.threads import set_trial_threads
-    set_trial_threads(int(sys.argv[2]))
+if sys.argv[1] == "split":  # what an --n-jobs worker does before its first trial
+    from hpsweep import devices
+    devices.apply(devices.plan(n_jobs=int(sys.argv[2]), resources=None, gpus=[], cores=devices.usable_cores()), 0)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -42,7 +43,7 @@ def round_of(variant: str, parallel: int) -> tuple[float, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     # torch imported and warm before the clock starts: the trials' training is what is compared
-    code = "import torch, torch.optim, hpsweep.threads\nimport sys; sys.stdin.readline()\n" + TRIAL
+    code = "import torch, torch.optim, hpsweep.devices\nimport sys; sys.stdin.readline()\n" + TRIAL
     procs = [subprocess.Popen([sys.executable, "-c", code, variant, str(parallel)], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for _ in range(parallel)]
     time.sleep(4.0)  # imports done
@@ -74,7 +75,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     print(f"| default ({threads['default']}) | {statistics.median(times['default']):.2f} | "
           f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f} |")
-    print(f"| trial_threads({ns.parallel}) ({threads['split']}) | {statistics.median(times['split']):.2f} | 1.00x | |")
+    print(f"| --n-jobs {ns.parallel} split ({threads['split']}) | {statistics.median(times['split']):.2f} | 1.00x | |")
     print(f"\nreproduce: python bench/threads.py --parallel {ns.parallel} --rounds {ns.rounds}")
 
 

@@ -16,6 +16,8 @@ same on every backend (Ray reserves the same ``resources`` itself):
   one GPU) is refused.
 - CPU threads: ``cpu=N`` gives each trial N threads (at most the cores); otherwise the cores are
   split between the trials that run at once. A trial's threads are split between its processes.
+  torch alone would give every process one thread per core of the machine: two trials on two
+  cores then run four busy threads that wait for each other (2.2x slower, bench/threads.py).
 
 Tests fake the GPU count with ``HPSWEEP_FAKE_GPUS=N``: planning, placement and the records are
 real; the training itself runs on the CPU.
@@ -27,6 +29,7 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import UserError
 
@@ -60,12 +63,31 @@ def visible_gpus() -> list[str]:
 
 
 def usable_cores() -> int:
-    """The CPU threads this process may use: its affinity, and no more than torch's own default
-    (physical cores) or what the user set with ``torch.set_num_threads``."""
+    """The CPU threads this process may use: its CPU affinity (``taskset``, cpusets), capped by a
+    cgroup CPU quota (``docker --cpus``, Kubernetes limits) and by torch's own default (physical
+    cores) or what the user set with ``torch.set_num_threads``. At least 1."""
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, math.floor(quota))
     return max(1, min(cores, torch.get_num_threads()))
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota in cores, or None when there is none (or no cgroup file to read)."""
+    try:  # cgroup v2: "max 100000" or "150000 100000"
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)

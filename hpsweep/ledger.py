@@ -16,12 +16,17 @@ Guarantees (DESIGN.md, section 5), whatever process or command runs the trials:
   from its latest checkpoint, and its ``trial.json`` records ``resumed_from``.
 - **Failures.** `Ledger.failures_since` counts failed trials, so ``--max-failed-trials`` ends a
   command that keeps failing, while a later command (after the cause is fixed) runs what is missing.
+- **Reading.** The ledger keeps the records in memory (`runs.TrialIndex`), so a claim costs the
+  same at the 2,000th trial as at the first: it reads the records the journal names (every
+  ``trial.json`` write, by any process, appends one line) and the ``running``/``stopped`` ones, and
+  lists the whole folder when a lease died and every few seconds, for records edited by hand.
 
 A backend never counts, leases or re-runs anything itself: it is asked for a trial (new, or a
 record to run again) and told how each ended.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -146,6 +151,7 @@ class Ledger:
         self.output_dir = output_dir
         self.n_trials = n_trials
         self.lease_dir = output_dir / LEASE_DIR
+        self.index = runs.TrialIndex(output_dir)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -168,13 +174,20 @@ class Ledger:
             found.append(LeaseFile(path, info))
         return found
 
+    def records(self, *states: str) -> list[runs.TrialRecord]:
+        """The trials in ``states`` (default: all) by number, as the ledger knows them now. They are
+        the ledger's own: copy one (`dataclasses.replace`) before changing it."""
+        self.index.refresh()
+        return self.index.records(*states)
+
     def finished(self, records: list[runs.TrialRecord] | None = None) -> int:
-        records = runs.read_trials(self.output_dir) if records is None else records
-        return sum(1 for r in records if r.state in FINISHED)
+        if records is not None:
+            return sum(1 for r in records if r.state in FINISHED)
+        self.index.refresh()
+        return self.index.count(*FINISHED)
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
-        return [r for r in runs.read_trials(self.output_dir)
-                if r.state == "failed" and (r.finished_at or 0) >= since]
+        return [r for r in self.records("failed") if (r.finished_at or 0) >= since]
 
     def done(self) -> bool:
         return self.n_trials is not None and self.finished() >= self.n_trials
@@ -195,10 +208,12 @@ class Ledger:
                     live.add(str(lease.trial))
             else:
                 dead.append(lease)
-        for record in runs.read_trials(self.output_dir):
-            if record.state == "running" and record.id not in live:
+        self.index.refresh(verify=bool(dead))  # a process killed between its two writes left no journal line
+        for record in self.index.records("running"):
+            if record.id not in live:
                 who = record.user_attrs.get("pid"), record.user_attrs.get("host")
-                record.finish(AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran")
+                dataclasses.replace(record).finish(
+                    AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran")
         for lease in dead:
             lease.path.unlink(missing_ok=True)
         return dead
@@ -210,13 +225,12 @@ class Ledger:
         A trial waiting to run again comes first; it is marked ``running`` at once, so no other
         worker claims it too.
         """
-        records = runs.read_trials(self.output_dir)
-        again = next((r for r in records if r.state == AGAIN), None)
-        if again is not None:
-            return self._lease_again(again)
-        return self.claim_new(records)
+        again = self.records(AGAIN)
+        if again:
+            return self._lease_again(again[0])
+        return self.claim_new()
 
-    def claim_new(self, records: list[runs.TrialRecord] | None = None) -> Claim | str:
+    def claim_new(self) -> Claim | str:
         """A lease for a new trial only, or ``"wait"`` / ``"done"`` as `claim` says. Call it holding
         `locked`.
 
@@ -224,10 +238,10 @@ class Ledger:
         a round of their own, so its searcher never sees a result for params it did not suggest):
         trials waiting to run again keep their places in the count, so they still run.
         """
-        records = runs.read_trials(self.output_dir) if records is None else records
         live = sum(1 for lease in self.leases() if lease.alive())
-        waiting = sum(1 for r in records if r.state == AGAIN)
-        if self.n_trials is not None and self.finished(records) + live + waiting >= self.n_trials:
+        self.index.refresh()
+        waiting = self.index.count(AGAIN)
+        if self.n_trials is not None and self.index.count(*FINISHED) + live + waiting >= self.n_trials:
             return "wait" if live or waiting else "done"
         return Claim(Lease(self.lease_dir))
 
@@ -240,12 +254,13 @@ class Ledger:
         worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
         Running again takes the trial out of the finished count until it ends again.
         """
-        record = next((r for r in runs.read_trials(self.output_dir) if r.id == str(trial_id)), None)
-        if record is None or record.state not in states:
+        record = next((r for r in self.records(*states) if r.id == str(trial_id)), None)
+        if record is None:
             return None
         return self._lease_again(record)
 
     def _lease_again(self, record: runs.TrialRecord) -> Claim:
+        record = dataclasses.replace(record)  # the index's own stays as read until the journal names it
         lease = Lease(self.lease_dir)
         lease.bind(record.id)
         record.state = "running"

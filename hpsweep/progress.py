@@ -1,11 +1,10 @@
 """Live progress of a sweep, read from the trial records on disk.
 
-Reading ``run-*/trial.json`` (re-reading only files that changed) works the same for every
-backend and every process or node that writes there, so the display needs no hook in them.
+Reading ``run-*/trial.json`` (through a `runs.TrialIndex`, so only records that changed) works the
+same for every backend and every process or node that writes there, so the display needs no hook in them.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ class SweepProgress:
         self.directions, self.objective_name, self.interval = directions, objective_name, interval
         self.console = Console(stderr=True)
         self._printed: set[str] = set()
-        self._cache: dict[str, tuple[float, runs.TrialRecord]] = {}
+        self._index = runs.TrialIndex(output_dir)  # its own: it is refreshed on the display's thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -97,20 +96,8 @@ class SweepProgress:
                                      overflow="ellipsis")
 
     def _read(self) -> list[runs.TrialRecord]:
-        out = []
-        for path in runs.trial_files(self.output_dir):
-            try:
-                mtime = os.stat(path).st_mtime
-            except OSError:
-                continue
-            cached = self._cache.get(str(path))
-            if cached is None or cached[0] != mtime:
-                record = runs.TrialRecord.load(path)
-                if record is None:
-                    continue
-                cached = self._cache[str(path)] = (mtime, record)
-            out.append(cached[1])
-        return out
+        self._index.refresh()
+        return self._index.records()
 
 
 def _fmt(value: Any) -> str:

@@ -8,11 +8,13 @@ Layout (``DIR`` is ``--output-dir``)::
     DIR/run-<id>/trial.json           the `TrialRecord`
     DIR/best/                         the best run's checkpoint, with README.md
     DIR/best_run.json                 the `BestRun` (a list of them for multi-objective sweeps)
+    DIR/.trials.journal               a run folder's name each time its trial.json is written
 
 Every file and folder is written under a temporary name and renamed into place, so a crash
 leaves either the old version or the new one, never half of one. One responsibility a private
 module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (checkpoint
-folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``).
+folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_index` (the
+records kept in memory for the ledger).
 """
 from ._atomic import atomic_dir, read_json, recover_interrupted_swaps, write_json, write_text
 from ._checkpoints import (
@@ -33,10 +35,12 @@ from ._checkpoints import (
     write_checkpoint,
     write_snapshot,
 )
+from ._index import TrialIndex
 from ._records import (
     BEST_DIR,
     BEST_FILE,
     FINAL_STATES,
+    JOURNAL,
     RESERVED,
     STATES,
     TRIAL_FILE,
@@ -52,7 +56,6 @@ from ._records import (
     read_trials,
     run_dir_for,
     safe_name,
-    trial_files,
 )
 
 __all__ = [
@@ -60,7 +63,7 @@ __all__ = [
     "CHECKPOINT_PREFIX", "SCALER_FILE", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
     "load_weights", "read_checkpoint", "resolve_checkpoint", "rng_state", "rotate_checkpoints", "save_weights",
     "set_rng_state", "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
-    "BEST_DIR", "BEST_FILE", "FINAL_STATES", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialRecord",
-    "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best", "read_best",
-    "read_trials", "run_dir_for", "safe_name", "trial_files",
+    "BEST_DIR", "BEST_FILE", "FINAL_STATES", "JOURNAL", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialIndex",
+    "TrialRecord", "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best",
+    "read_best", "read_trials", "run_dir_for", "safe_name",
 ]

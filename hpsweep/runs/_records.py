@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,8 @@ from ._atomic import _json_default, atomic_dir, read_json, write_json
 
 
 TRIAL_FILE = "trial.json"
+#: One line (a run folder's name) each time a record is written: how ledgers learn what changed.
+JOURNAL = ".trials.journal"
 BEST_DIR = "best"
 BEST_FILE = "best_run.json"
 STATES = ("running", "complete", "pruned", "failed", "stopped")
@@ -88,7 +90,11 @@ class TrialRecord:
     attempts: int = 1
 
     def save(self) -> None:
-        write_json(Path(self.run_dir) / TRIAL_FILE, asdict(self))
+        """Write ``trial.json``, then name the run folder in the sweep folder's journal, so every
+        process's ledger reads this record again (`hpsweep.runs.TrialIndex`)."""
+        run_dir = Path(self.run_dir)
+        write_json(run_dir / TRIAL_FILE, asdict(self))
+        _journal(run_dir)
 
     def finish(self, state: str, *, objective: Any = None, error: str | None = None) -> None:
         self.state, self.error = state, error
@@ -111,53 +117,62 @@ class TrialRecord:
 
 
 def read_trials(output_dir: Path) -> list[TrialRecord]:
-    """Every trial under ``output_dir``, by number (unreadable records are skipped).
+    """Every trial under ``output_dir`` as it is on disk now, by number (unreadable records are skipped).
 
-    The ledger reads them before every claim, so this must not grow costly with the sweep: a
-    record already read as ``complete``, ``pruned`` or ``failed`` never changes again, and is
-    reused while its run folder is the same folder (same inode); others are read again when
-    their file changed (mtime, size).
+    Each ``trial.json`` is checked (one ``stat``) and parsed again only when it changed; the
+    ledger, which looks at the trials several times a trial, keeps a `TrialIndex` instead.
     """
     records = []
-    try:
-        entries = list(os.scandir(output_dir))
-    except OSError:
-        return []
-    for entry in entries:
-        if entry.name.startswith(".") or not entry.is_dir():
-            continue
-        path = os.path.join(entry.path, TRIAL_FILE)
-        cached = _RECORDS.get(path)
-        if cached is not None and cached[0] == entry.inode() and cached[2] is not None \
-                and cached[2].state in FINAL_STATES:
-            record = cached[2]
-        else:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if cached is None or cached[1] != (st.st_mtime_ns, st.st_size) or cached[0] != entry.inode():
-                cached = (entry.inode(), (st.st_mtime_ns, st.st_size), TrialRecord.load(Path(path)))
-                _RECORDS[path] = cached
-            record = cached[2]
-        if record is not None:
-            copied = TrialRecord.__new__(TrialRecord)  # a shallow copy, without copy.copy's generic path
-            copied.__dict__.update(record.__dict__)
+    for name in trial_names(output_dir):
+        loaded = load_record(os.path.join(output_dir, name, TRIAL_FILE))
+        if loaded is not None:
+            copied = TrialRecord.__new__(TrialRecord)  # a shallow copy: callers may change theirs
+            copied.__dict__.update(loaded[1].__dict__)
             records.append(copied)
     return sorted(records, key=lambda r: (r.number, r.id))
 
 
+def trial_names(output_dir: Path | str) -> list[str]:
+    """The names in ``output_dir`` that may be run folders (no ``stat`` each: a file fails later)."""
+    try:
+        return [name for name in os.listdir(output_dir) if not name.startswith(".")]
+    except OSError:
+        return []
+
+
+def load_record(path: str) -> tuple[tuple[int, int, int], TrialRecord] | None:
+    """The record at ``path`` with its file's (inode, mtime, size), parsed again only when those
+    changed; None when it is missing or unreadable. The record is shared: do not change it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    signature = (st.st_ino, st.st_mtime_ns, st.st_size)
+    cached = _PARSED.get(path)
+    if cached is None or cached[0] != signature:
+        cached = _PARSED[path] = (signature, TrialRecord.load(Path(path)))
+    return None if cached[1] is None else (signature, cached[1])  # type: ignore[return-value]
+
+
+def _journal(run_dir: Path) -> None:
+    """Append the run folder's name to its sweep folder's journal. One short ``O_APPEND`` write, so
+    lines from several processes do not mix; a line that cannot be written is found by the next
+    full check instead (`TrialIndex.verify`), so it never fails the save."""
+    try:
+        fd = os.open(run_dir.parent / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        return
+    try:
+        os.write(fd, f"{run_dir.name}\n".encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 FINAL_STATES = ("complete", "pruned", "failed")
-_RECORDS: dict[str, tuple[int, tuple[int, int], TrialRecord | None]] = {}
-
-
-def trial_files(output_dir: Path) -> Iterator[Path]:
-    if output_dir.is_dir():
-        for entry in os.scandir(output_dir):
-            if entry.is_dir() and not entry.name.startswith("."):
-                path = Path(entry.path) / TRIAL_FILE
-                if path.exists():
-                    yield path
+#: Parsed records by path, with their file's (inode, mtime, size), shared by every reader in the process.
+_PARSED: dict[str, tuple[tuple[int, int, int], TrialRecord | None]] = {}
 
 
 # --- the best run --------------------------------------------------------------------------------
