@@ -101,6 +101,9 @@ class RayTrial(Trial):
                 raise SweepStopped("the sweep stopped while the trial ran") from None  # recorded as stopped
             # A stop at the last evaluation of the budget is the scheduler ending a finished trial.
             self._stopped = self._budget is None or step < self._budget
+        except SweepStopped:  # the stop file's (`_StopWatch`), raised as Tune let go of this report
+            self._detached = True
+            raise
 
     def should_prune(self) -> bool:
         return self._stopped
