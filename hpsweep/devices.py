@@ -152,8 +152,9 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
                         f"--resources-per-trial gpu={gpu:g}; give gpu={ppt} (or gpu=0 to train on CPU processes)")
     resolved = {**given, "gpu": gpu}
     cpu = given.get("cpu")
-    if not local:
-        return Placement(slots=n_jobs, gpus=None, threads=1, processes_per_trial=ppt, resources=resolved)
+    if not local:  # without gpu=, the cluster's GPUs (not this machine's) decide: see the Ray backend
+        return Placement(slots=n_jobs, gpus=None, threads=1, processes_per_trial=ppt,
+                         resources=resolved if "gpu" in given else given)
 
     slots, note, per_slot = n_jobs, None, None
     if gpu > 0:

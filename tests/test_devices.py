@@ -89,6 +89,8 @@ def test_requests_the_machine_cannot_meet_are_one_line_naming_the_fix() -> None:
 def test_a_remote_cluster_is_placed_by_its_own_scheduler() -> None:
     p = devices.plan(n_jobs=8, resources={"gpu": 4, "cpu": 64}, gpus=[], cores=2, local=False)
     assert p.slots == 8 and p.resources == {"gpu": 4, "cpu": 64}
+    # no gpu= given: the cluster's GPUs decide once connected (the Ray backend), not this machine's
+    assert devices.plan(n_jobs=2, resources={"cpu": 1}, gpus=["0"], cores=2, local=False).resources == {"cpu": 1}
     with pytest.raises(UserError):  # the shape is still checked
         devices.plan(n_jobs=1, resources={"gpu": 1.5}, gpus=[], cores=2, local=False)
 

@@ -65,9 +65,10 @@ def _stop_processes_under(marker: str) -> None:
 
 
 @contextlib.contextmanager
-def _start_cluster(worker_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+def _start_cluster(worker_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = ()) -> Iterator[Cluster]:
     """A head node and a worker node, 1 CPU each, bound to 127.0.0.1, with token authentication;
-    ``worker_env`` is added to the worker node's environment (its Ray workers inherit it)."""
+    ``worker_env`` is added to the worker node's environment (its Ray workers inherit it), and
+    ``worker_args`` to its ``ray start``."""
     temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
     port = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
@@ -77,7 +78,8 @@ def _start_cluster(worker_env: dict[str, str] | None = None) -> Iterator[Cluster
     try:
         subprocess.run([RAY, "start", "--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp,
                         *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common], env={**env, **(worker_env or {})},
+        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common, *worker_args],
+                       env={**env, **(worker_env or {})},
                        check=True, capture_output=True, timeout=120)
         yield Cluster(f"127.0.0.1:{port}", env)
     finally:
@@ -441,3 +443,30 @@ def model_init(trial):
 def test_settings_the_ray_backend_cannot_honour_are_user_errors(tmp_path: Path, flags: list[str], message: str) -> None:
     proc = hpsweep_cli("run", write_space(tmp_path), "--backend", "ray", *flags, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Path) -> None:
+    """The command runs on a machine without a GPU; the cluster's worker node has one (declared to
+    Ray, as a GPU node's ``ray start`` does). Without gpu=, trials reserve a GPU per process, as on
+    one machine: the cluster's GPUs decide, not those of the machine the command runs on."""
+    model_init = """
+    import json, os
+    def model_init(trial):
+        import ray
+        with open(os.path.join(os.path.dirname(__file__), f"reserved-{os.getpid()}-{trial.number}.json"), "w") as f:
+            json.dump(ray.get_runtime_context().get_assigned_resources(), f)
+        return Net(hidden=trial.params["hidden"])
+    """
+    space = write_space(tmp_path, epochs=1, model_init=model_init)
+    with _start_cluster(worker_args=("--num-gpus", "1")) as gpu_cluster:
+        for out, extra in (("default", []), ("told", ["--resources-per-trial", "cpu=1,gpu=0"])):
+            proc = hpsweep_cli("run", space, "--backend", "ray", "--address", gpu_cluster.address, "--output-dir",
+                               tmp_path / out, "--n-trials", "2", "--n-jobs", "2", "--sampler", "random", *extra,
+                               env=gpu_cluster.env, timeout=240)
+            assert proc.returncode == 0, proc.stderr
+            assert [r.state for r in runs.read_trials(tmp_path / out)] == ["complete", "complete"]
+            reserved = [json.loads(p.read_text()) for p in tmp_path.glob("reserved-*.json")]
+            assert len(reserved) == 2
+            assert [r.get("GPU", 0) for r in reserved] == ([1.0, 1.0] if out == "default" else [0, 0]), reserved
+            for p in tmp_path.glob("reserved-*.json"):
+                p.unlink()

@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import tune
 
 from .. import runs
@@ -150,6 +151,9 @@ class RayBackend(Backend):
             job.trainer_cls, *map(type, job.callbacks)])
         with connected(self.settings.address, self.resources["cpu"]), _StopSignals() as signals, \
                 output_dir_marker(self.settings.output_dir) as marker:
+            if "gpu" not in self.settings.resources_per_trial and ray.cluster_resources().get("GPU", 0) > 0:
+                # A cluster (--address) with GPUs and no gpu= given: a GPU per process, as on one machine.
+                self.resources["gpu"] = float(self.settings.processes_per_trial)
             signals.stop_file = stop_file(self.settings.output_dir, marker)
             deadline = loop.deadline_wall
             plan = RoundPlan(marker=marker, n_trials=self.settings.n_trials, started=loop.started,
