@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import UserError, did_you_mean
@@ -57,6 +58,17 @@ class TrainerState:
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerState:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
+    def eval_metrics(self, *, best: bool = False) -> dict[str, float]:
+        """The latest evaluation's metrics; with ``best``, those of the best checkpoint's evaluation."""
+        evals = [h for h in self.log_history if "eval_loss" in h]
+        if not evals:
+            return {}
+        chosen = evals[-1]
+        if best and self.best_model_checkpoint:
+            step = int(Path(self.best_model_checkpoint).name.rpartition("-")[2])  # checkpoint-<step>
+            chosen = next((h for h in reversed(evals) if h["step"] == step), chosen)
+        return {k: v for k, v in chosen.items() if k not in ("epoch", "step")}
+
 
 @dataclass
 class TrainerControl:
@@ -67,6 +79,26 @@ class TrainerControl:
     should_evaluate: bool = False
     should_save: bool = False
     should_log: bool = False
+
+
+def flow_on_step(args: Any, state: TrainerState, control: TrainerControl) -> None:
+    """Hugging Face's ``DefaultFlowCallback`` after each optimizer step: log, evaluate and save on
+    the ``*_steps`` schedule, and stop (logging, and saving on a steps schedule) at ``max_steps``."""
+    step = state.global_step
+    control.should_log |= args.logging_strategy == "steps" and step % args.logging_steps == 0
+    control.should_evaluate |= args.eval_strategy == "steps" and step % args.eval_steps == 0
+    control.should_save |= args.save_strategy == "steps" and step % args.save_steps == 0
+    if step >= state.max_steps:
+        control.should_training_stop = True
+        control.should_log |= args.logging_strategy != "no"
+        control.should_save |= args.save_strategy == "steps"
+
+
+def flow_on_epoch(args: Any, control: TrainerControl) -> None:
+    """``DefaultFlowCallback`` at an epoch's end: log, evaluate and save on the ``epoch`` schedule."""
+    control.should_log |= args.logging_strategy == "epoch"
+    control.should_evaluate |= args.eval_strategy == "epoch"
+    control.should_save |= args.save_strategy == "epoch"
 
 
 class TrainerCallback:

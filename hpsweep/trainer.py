@@ -28,6 +28,8 @@ from .callbacks import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    flow_on_epoch,
+    flow_on_step,
 )
 from .accel import make_accelerator
 from .data import (Collator, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
@@ -239,14 +241,14 @@ class Trainer:
                     state.global_step += 1
                     state.epoch = epoch + (skipped + micro_step + 1) / batches_per_epoch
                     handler.fire("on_step_end", args, state, control)
-                    self._flow_on_step(control)
+                    flow_on_step(args, state, control)
                     if control.should_log or control.should_evaluate or control.should_save:
                         running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                     if control.should_training_stop or control.should_epoch_stop:
                         break
                 control.should_epoch_stop = False
                 state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
-                self._flow_on_epoch(control)
+                flow_on_epoch(args, control)
                 handler.fire("on_epoch_end", args, state, control)
                 running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                 if control.should_training_stop:
@@ -265,22 +267,6 @@ class Trainer:
         losses = [h["loss"] for h in state.log_history if "loss" in h]
         return TrainOutput(state.global_step, float(np.mean(losses)) if losses else float("nan"),
                            self.last_eval_metrics())
-
-    def _flow_on_step(self, control: TrainerControl) -> None:
-        args, step = self.args, self.state.global_step
-        control.should_log |= args.logging_strategy == "steps" and step % args.logging_steps == 0
-        control.should_evaluate |= args.eval_strategy == "steps" and step % args.eval_steps == 0  # type: ignore[operator]
-        control.should_save |= args.save_strategy == "steps" and step % args.save_steps == 0  # type: ignore[operator]
-        if step >= self.state.max_steps:
-            control.should_training_stop = True
-            control.should_log |= args.logging_strategy != "no"
-            control.should_save |= args.save_strategy == "steps"
-
-    def _flow_on_epoch(self, control: TrainerControl) -> None:
-        args = self.args
-        control.should_log |= args.logging_strategy == "epoch"
-        control.should_evaluate |= args.eval_strategy == "epoch"
-        control.should_save |= args.save_strategy == "epoch"
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
@@ -390,15 +376,7 @@ class Trainer:
 
     def last_eval_metrics(self) -> dict[str, float]:
         """The metrics of the latest evaluation (of the best one after ``load_best_model_at_end``)."""
-        evals = [h for h in self.state.log_history if "eval_loss" in h]
-        if not evals:
-            return {}
-        chosen = evals[-1]
-        best = self.state.best_model_checkpoint
-        if self.args.load_best_model_at_end and best:
-            step = int(Path(best).name[len(runs.CHECKPOINT_PREFIX):])
-            chosen = next((h for h in reversed(evals) if h["step"] == step), chosen)
-        return {k: v for k, v in chosen.items() if k not in ("epoch", "step")}
+        return self.state.eval_metrics(best=self.args.load_best_model_at_end)
 
     # --- checkpoints -------------------------------------------------------------------------------
 
