@@ -254,8 +254,10 @@ class Ledger:
         worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
         Running again takes the trial out of the finished count until it ends again.
         """
-        record = next((r for r in self.records(*states) if r.id == str(trial_id)), None)
-        if record is None:
+        # Read from disk, not the index: Ray's driver and workers on other hosts rewrite a trial's
+        # record between its rounds, and the record claimed here is written back whole.
+        record = next((r for r in runs.read_trials(self.output_dir) if r.id == str(trial_id)), None)
+        if record is None or record.state not in states:
             return None
         return self._lease_again(record)
 
