@@ -152,6 +152,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
 
     # Absolute, so trials that run in another working directory (Ray workers) write here too.
     output_dir = check_output_dir(Path(trainer.args.output_dir))
+    check_one_study(output_dir, study_name)
     args = trainer.args.replace(output_dir=str(output_dir))
     given = {name for name, value in (("storage", storage), ("address", address),
                                        ("resources_per_trial", resources_per_trial)) if value is not None}
@@ -184,6 +185,7 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     except OSError as exc:
         raise UserError(f"--output-dir {output_dir}: cannot create it ({exc.strerror}); give a writable folder") from None
     runs.recover_interrupted_swaps(output_dir)
+    runs.write_text(output_dir / STUDY_FILE, study_name + "\n")  # checked by check_one_study
     progress = None
     if show_progress:
         from .progress import SweepProgress
@@ -237,6 +239,22 @@ def check_counts(**counts: Any) -> None:
                 (value <= 0 if name == "timeout" else value < least):
             what = "a positive number of seconds" if name == "timeout" else f"a whole number of at least {least}"
             raise UserError(f"{flag} {value}: give {what}")
+
+
+#: In ``--output-dir``: the name of the study whose sweep the folder holds.
+STUDY_FILE = ".study"
+
+
+def check_one_study(output_dir: Path, study_name: str) -> None:
+    """One output folder holds one sweep: another study's trials would take the same run folders
+    (Optuna numbers every study's trials from 0) and be counted as this one's."""
+    try:
+        recorded = (output_dir / STUDY_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return
+    if recorded and recorded != study_name and runs.read_trials(output_dir):
+        raise UserError(f"--output-dir {output_dir} holds the sweep of study {recorded!r}, not {study_name!r}; "
+                        f"give --study-name {recorded} to continue it, or another --output-dir")
 
 
 def check_output_dir(path: Path) -> Path:

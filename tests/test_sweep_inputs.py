@@ -109,3 +109,19 @@ def test_checkpoints_and_best_are_readable_by_other_users(tmp_path: Path) -> Non
     out = tmp_path / "out"
     for path in [out / "best", out / "best" / "model.safetensors", *runs.checkpoints(out / "run-0")]:
         assert path.stat().st_mode & stat.S_IROTH, oct(path.stat().st_mode)
+
+
+def test_a_second_study_in_one_folder_is_refused_and_the_first_is_kept(tmp_path: Path) -> None:
+    """The study name defaults to the space file's name: another space file sent to the same
+    --output-dir would number its trials from 0 into the first sweep's run folders."""
+    first, second = write_space(tmp_path, name="first.py"), write_space(tmp_path, name="second.py")
+    out = tmp_path / "out"
+    hpsweep_cli("run", first, "--n-trials", "2", "--output-dir", out, check=True)
+    before = {r.id: r.finished_at for r in runs.read_trials(out)}
+    assert_one_line(hpsweep_cli("run", second, "--n-trials", "3", "--output-dir", out),
+                    "holds the sweep of study 'first', not 'second'", "--study-name first")
+    assert {r.id: r.finished_at for r in runs.read_trials(out)} == before
+    # naming the folder's study continues it
+    hpsweep_cli("run", second, "--n-trials", "3", "--output-dir", out, "--study-name", "first", check=True)
+    after = runs.read_trials(out)
+    assert len(after) == 3 and {r.id: r.finished_at for r in after if r.id in before} == before
