@@ -160,7 +160,7 @@ def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
 
     records = runs.read_trials(out)
-    assert len(records) == 4 and all(r.state == "complete" for r in records), [r.state for r in records]
+    assert len(records) == 4 and all(r.state == "complete" for r in records), [(r.state, r.error) for r in records]
     restored = [r for r in records if r.user_attrs.get("ray_restores", 0) > 0]
     assert restored, "PBT restored no trial from a checkpoint"
     for r in restored:
