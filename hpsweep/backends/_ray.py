@@ -220,11 +220,12 @@ class RayBackend(Backend):
         # Tune's copies of the checkpoints: 2 a trial, except under PBT, which restores a trial from
         # another's checkpoint some time after choosing it; by then that trial may have saved two
         # more and Tune deleted the one chosen (a trial failed so in CI; Ray warns of num_to_keep <= 2).
+        keep = None if self.scheduler_name == "pbt" else 2
         run_config = tune.RunConfig(
             name=f"{s.study_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path, verbose=0, stop=stopper,
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if self.scheduler_name == "pbt" else 2), progress_reporter=None, log_to_file=False)
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=keep), progress_reporter=None, log_to_file=False)
         trainable = tune.with_resources(tune.with_parameters(train_trial, runner=runner, plan=plan), self.resources)
         tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
         with signals.tune_running():
