@@ -44,6 +44,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -66,6 +67,9 @@ from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_tria
 
 EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
+# After a stop, how long the driver waits for the round's actors on this host to record their
+# trials' endings: Tune force-kills an actor 10 s after asking it to stop (see _ray_trial._InFlight).
+ENDINGS_WAIT_S = 15.0
 DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died before it is recorded failed
 
 
@@ -257,12 +261,14 @@ class RayBackend(Backend):
         sweep's stop cut short runs again, not ``pruned``; a trial whose worker died runs again,
         unless that happened in `DEATHS_TO_FAIL` rounds (then it failed)."""
         user_error = next((m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None)
-        records = {r.id: r for r in runs.read_trials(ledger.output_dir)}
         # Tune stops every trial the same way (SystemExit in tune.report, status TERMINATED),
         # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut
         # short (a trial that saw the stop file said so itself; one on a node without it could not).
         stops = [t for t in (signals.stopped_at, stopper.stopped_at) if t is not None]
         stopped_at = min(stops) if stops else math.inf
+        if stops:
+            _await_endings(ledger, {str(t.config.get(AGAIN_KEY) or t.trial_id) for t in trials})
+        records = {r.id: r for r in runs.read_trials(ledger.output_dir)}
         with ledger.locked():
             for tune_trial in trials:
                 died = tune_trial.status == "ERROR"
@@ -378,6 +384,25 @@ class _TrialNamer:
             return f"trial-{self.numbers[again]}-{trial.trial_id}"
         counter = int(str(trial.experiment_tag).split("_", 1)[0])
         return f"trial-{self.first + counter - self.offset}-{trial.trial_id}"
+
+
+def _await_endings(ledger: Any, trial_ids: set[str], timeout: float = ENDINGS_WAIT_S) -> None:
+    """Wait until no process on this host holds the lease of one of ``trial_ids`` (a round's
+    trials), up to ``timeout`` seconds.
+
+    Tune's ``fit()`` returns once it has asked the round's actors to stop, not once they are
+    gone: on a loaded machine an actor may still be recording its trial's ending. Waiting for
+    their leases lets `Ledger.reap` (after it) say at once, on disk, that a trial killed mid-way
+    runs again, and the command ends with nothing of its sweep still running here. Leases on
+    other hosts age out on their own (`hpsweep.ledger.STALE_S`); they are not waited for.
+    """
+    host = socket.gethostname()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(str(lease.trial) in trial_ids and lease.info.get("host") in (None, host) and lease.alive()
+                   for lease in ledger.leases()):
+            return
+        time.sleep(0.1)
 
 
 def _lease_number(lease: Any) -> int:
