@@ -1,6 +1,7 @@
 """A user's session with the embedded Optuna default: write a space file, run the CLI, look at disk."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 import torch
@@ -240,3 +242,16 @@ def test_the_shipped_digits_space_runs(tmp_path: Path) -> None:
                        tmp_path / "digits", check=True)
     best = json.loads((tmp_path / "digits" / "best_run.json").read_text())
     assert 0.5 < best["objective"] <= 1.0 and "best run-" in proc.stdout
+
+
+def test_the_shipped_digits_space_reads_exactly_scikit_learns_digits() -> None:
+    """It reads the bundled CSV itself, so a sweep does not pay scikit-learn's import (~4 s)."""
+    from sklearn.datasets import load_digits
+
+    spec = importlib.util.spec_from_file_location("digits_space", ROOT / "search_spaces" / "digits_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x, y = module._digits()
+    expected_x, expected_y = load_digits(return_X_y=True)
+    assert x.shape == (1797, 64) and np.array_equal(x, expected_x)
+    assert y.dtype == expected_y.dtype and np.array_equal(y, expected_y)
