@@ -1,7 +1,6 @@
 """A user's session with the embedded Optuna default: write a space file, run the CLI, look at disk."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, hpsweep_cli, write_space
 
 from hpsweep import runs
+from hpsweep.spacefile import load_space_file
 
 
 def trials(out: Path) -> list[dict]:
@@ -248,10 +248,7 @@ def test_the_shipped_digits_space_reads_exactly_scikit_learns_digits() -> None:
     """It reads the bundled CSV itself, so a sweep does not pay scikit-learn's import (~4 s)."""
     from sklearn.datasets import load_digits
 
-    spec = importlib.util.spec_from_file_location("digits_space", ROOT / "search_spaces" / "digits_mlp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    x, y = module._digits()
+    x, y = load_space_file(ROOT / "search_spaces" / "digits_mlp.py").module._digits()
     expected_x, expected_y = load_digits(return_X_y=True)
     assert x.shape == (1797, 64) and np.array_equal(x, expected_x)
     assert y.dtype == expected_y.dtype and np.array_equal(y, expected_y)
