@@ -108,9 +108,13 @@ class LeaseFile:
     def trial(self) -> str | None:
         return self.info.get("trial")
 
+    @property
+    def on_this_host(self) -> bool:
+        return self.info.get("host") in (None, socket.gethostname())
+
     def alive(self) -> bool:
         """Whether the process holding it still runs (see the module's docstring)."""
-        if self.info.get("host") not in (None, socket.gethostname()):
+        if not self.on_this_host:
             try:
                 return time.time() - self.path.stat().st_mtime < STALE_S
             except OSError:

@@ -44,7 +44,6 @@ import math
 import os
 import secrets
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -396,11 +395,9 @@ def _await_endings(ledger: Any, trial_ids: set[str], timeout: float = ENDINGS_WA
     runs again, and the command ends with nothing of its sweep still running here. Leases on
     other hosts age out on their own (`hpsweep.ledger.STALE_S`); they are not waited for.
     """
-    host = socket.gethostname()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(str(lease.trial) in trial_ids and lease.info.get("host") in (None, host) and lease.alive()
-                   for lease in ledger.leases()):
+        if not any(str(lease.trial) in trial_ids and lease.on_this_host and lease.alive() for lease in ledger.leases()):
             return
         time.sleep(0.1)
 
