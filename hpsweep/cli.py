@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     run.add_argument("--output-dir", help="where runs, best/ and the study go (default: args.output_dir)")
     run.add_argument("--study-name", help="study name (default: the space file's name)")
-    run.add_argument("--storage", help="optuna: a storage URL (default sqlite:///OUTPUT_DIR/study.db); "
+    run.add_argument("--storage", help="optuna: a journal file's path or a storage URL such as sqlite:///study.db "
+                                          "(default: OUTPUT_DIR/study.journal); "
                                           "ray: where Tune keeps its experiment (a path or s3://...)")
     run.add_argument("--resume", action="store_true",
                      help="accepted for compatibility: the same command always continues its sweep")

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import optuna
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,12 @@ def hpsweep_cli(*args: str, cwd: Path | None = None, env: dict | None = None, ti
     if check and proc.returncode != 0:
         raise AssertionError(f"hpsweep {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def load_sweep_study(out: Path, study_name: str = "space") -> optuna.Study:
+    """The sweep's Optuna study, opened with Optuna's own API as the README shows users."""
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    return optuna.load_study(study_name=study_name, storage=storage)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

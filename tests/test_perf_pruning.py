@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import hpsweep
+from conftest import load_sweep_study
 from hpsweep import runs
 from hpsweep.arguments import TrainingArguments
 from hpsweep.backends._optuna import OptunaTrial
@@ -112,7 +113,7 @@ def test_a_sweeps_pruned_trials_stop_before_their_last_evaluation(tmp_path: Path
     assert pruned, "this seed prunes some trials"
     assert all(len(r.history) < 4 for r in pruned)
     assert all(len(r.history) == 4 for r in records if r.state == "complete")
-    study = optuna.load_study(study_name="space", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    study = load_sweep_study(tmp_path / "out")
     for t in study.trials:
         if t.state == optuna.trial.TrialState.PRUNED:
             assert max(t.intermediate_values) < 4

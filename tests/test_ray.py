@@ -143,7 +143,7 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
     hpsweep_cli("run", space, "--n-trials", "2", "--output-dir", optuna_out, check=True)
     visible = lambda d: {p.name if not p.name.startswith("run-") else "run-*" for p in d.iterdir()  # noqa: E731
                          if not p.name.startswith(".")}
-    assert visible(out) == visible(optuna_out) - {"study.db"}
+    assert visible(out) == visible(optuna_out) - {"study.journal"}
     complete = next(r for r in records if r.state == "complete")  # as the Optuna trial: no pruner stopped it
     ray_run, optuna_run = Path(complete.run_dir), Path(runs.read_trials(optuna_out)[0].run_dir)
     assert {p.name for p in ray_run.iterdir()} == {p.name for p in optuna_run.iterdir()}

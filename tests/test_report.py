@@ -72,7 +72,7 @@ def test_report_renders_every_plot_in_a_browser(sweep: Path, tmp_path: Path) -> 
 
 def test_report_works_from_disk_alone_for_any_backend(sweep: Path, tmp_path: Path) -> None:
     copy = tmp_path / "sweep"
-    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("study.db", "report.html"))
+    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("study.journal", ".study.journal.lock", "report.html"))
     for path in copy.glob("run-*/trial.json"):  # as a Ray sweep leaves it: no Optuna study on disk
         record = json.loads(path.read_text())
         record["backend"] = "ray"

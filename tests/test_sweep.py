@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, hpsweep_cli, write_space
+from conftest import ROOT, hpsweep_cli, load_sweep_study, write_space
 
 from hpsweep import runs
 from hpsweep.spacefile import load_space_file
@@ -46,7 +46,7 @@ def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space
     assert torch.equal(weights["net.0.weight"], load_file(Path(top.run_dir) / top.checkpoint / "model.safetensors")["net.0.weight"])
     assert weights["net.0.weight"].shape[0] == top.params["hidden"]
     assert "Best run" in (out / "best" / "README.md").read_text()
-    assert (out / "study.db").exists()
+    assert (out / "study.journal").exists()
     # nothing temporary left behind, and records are as readable as any file the user writes
     assert not list(out.rglob(".*tmp*"))
     mask = os.umask(0)
@@ -75,11 +75,21 @@ def test_a_second_run_continues_the_same_study(tmp_path: Path, space_file: Path)
     hpsweep_cli("run", space_file, "--n-trials", "4", check=True)
     out = tmp_path / "out"
     assert [r.number for r in runs.read_trials(out)] == [0, 1, 2, 3]
-    study = optuna.load_study(study_name="space", storage=f"sqlite:///{out / 'study.db'}")
+    study = load_sweep_study(out)
     assert len(study.trials) == 4
     # already at the target: nothing more runs
     hpsweep_cli("run", space_file, "--n-trials", "4", check=True)
     assert len(runs.read_trials(out)) == 4
+
+
+def test_a_sweep_begun_in_an_sqlite_study_db_goes_on_there(tmp_path: Path, space_file: Path) -> None:
+    out = tmp_path / "out"
+    url = f"sqlite:///{out / 'study.db'}"  # where hpsweep 0.1 kept the study
+    hpsweep_cli("run", space_file, "--n-trials", "2", "--storage", url, check=True)
+    hpsweep_cli("run", space_file, "--n-trials", "3", check=True)  # the same folder, no --storage
+    assert not (out / "study.journal").exists()
+    assert len(optuna.load_study(study_name="space", storage=url).trials) == 3
+    assert [r.number for r in runs.read_trials(out)] == [0, 1, 2]
 
 
 def test_median_pruning_stops_bad_trials_early(tmp_path: Path) -> None:
@@ -91,7 +101,7 @@ def test_median_pruning_stops_bad_trials_early(tmp_path: Path) -> None:
     assert pruned and complete
     assert all(len(r.history) < 6 for r in pruned)
     assert all(len(r.history) == 6 for r in complete)
-    study = optuna.load_study(study_name="space", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    study = load_sweep_study(tmp_path / "out")
     assert sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials) == len(pruned)
 
 
@@ -211,7 +221,7 @@ def test_ctrl_c_records_the_running_trial_and_a_rerun_resumes_it(tmp_path: Path)
     assert record.state == "stopped"
     last = runs.latest_checkpoint(run0)
     assert (last / "model.safetensors").exists()  # every listed checkpoint is whole
-    study = optuna.load_study(study_name="space", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    study = load_sweep_study(tmp_path / "out")
     assert [t.state.name for t in study.trials] == ["FAIL"]
 
     # Make the rerun short: the re-queued trial resumes from the checkpoint, then stops at max_steps.
@@ -222,7 +232,7 @@ def test_ctrl_c_records_the_running_trial_and_a_rerun_resumes_it(tmp_path: Path)
     assert resumed.state == "complete" and resumed.params == record.params
     assert resumed.resumed_from == str(last) and resumed.attempts == 2
     assert resumed.history[0]["step"] == 20  # the history came back with the checkpoint
-    study = optuna.load_study(study_name="space", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    study = load_sweep_study(tmp_path / "out")
     assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE"]  # nothing left RUNNING
     assert study.trials[0].user_attrs["hpsweep_stopped"] is True
 

@@ -77,13 +77,14 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, case: str, nee
 def test_long_and_reserved_hp_names_get_their_own_folders(tmp_path: Path) -> None:
     space = write_space(tmp_path, extra='''
 def hp_name(trial):
-    return ["study.db", "best_run.json", "x" * 150 + str(trial.number), "x" * 150 + "9"][trial.number]
+    return ["study.journal", "study.db", "best_run.json", "x" * 150 + str(trial.number), "x" * 150 + "9"][trial.number]
 ''')
-    hpsweep_cli("run", space, "--n-trials", "4", "--sampler", "random", check=True)
+    hpsweep_cli("run", space, "--n-trials", "5", "--sampler", "random", check=True)
     out = tmp_path / "out"
     records = runs.read_trials(out)
-    assert len({r.run_dir for r in records}) == 4
-    assert (out / "study.db").is_file() and (out / "run-study.db").is_dir()
+    assert len({r.run_dir for r in records}) == 5
+    assert (out / "study.journal").is_file() and (out / "run-study.journal").is_dir()
+    assert not (out / "study.db").exists() and (out / "run-study.db").is_dir()  # 0.1's study file stays free
     assert runs.read_best(out).run_dir in {r.run_dir for r in records}
     assert all(len(Path(r.run_dir).name) <= 100 for r in records)
 

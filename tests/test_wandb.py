@@ -53,7 +53,7 @@ def test_random_sweep_leaves_the_optuna_layout_and_offline_wandb_runs(tmp_path: 
     optuna_out = tmp_path / "optuna"
     hpsweep_cli("run", space, "--n-trials", "1", "--output-dir", optuna_out, check=True)
     assert _tree(out / "run-0") == _tree(optuna_out / "run-0")
-    shared = {p.name for p in optuna_out.iterdir() if not p.name.startswith("run-")} - {"study.db"}
+    shared = {p.name for p in optuna_out.iterdir() if not p.name.startswith("run-")} - {"study.journal", ".study.journal.lock"}
     assert {p.name for p in out.iterdir() if not p.name.startswith("run-")} == shared | {"wandb", "wandb_sweep.json"}
 
     # One offline W&B run per trial, holding its logged history, ready for `wandb sync`.

@@ -1,7 +1,8 @@
-"""The Optuna backend: Optuna's samplers and pruners over a study in ``DIR/study.db``.
+"""The Optuna backend: Optuna's samplers and pruners over a study in ``DIR/study.journal``.
 
-The study lives in an Optuna storage (SQLite by default), so a sweep stopped and started again
-continues the same study. The search layer's loop asks this backend for trials (``study.ask``)
+The study lives in an Optuna storage (by default Optuna's journal file in the sweep folder, see
+`._journal`; any storage URL with ``--storage``), so a sweep stopped and started again continues
+the same study. The search layer's loop asks this backend for trials (``study.ask``)
 and tells it how they ended (``study.tell``); counting, ``--n-jobs`` worker processes and
 running interrupted trials again are the ledger's (`hpsweep.ledger`). A trial that runs again
 is a new Optuna trial with the same params (enqueued), while the cut-short one is told FAIL
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -21,6 +23,13 @@ from ..errors import UserError
 from ..space import Distribution, Float, Int
 from ..trial import Trial
 from ._base import Backend, SearchSettings
+from ._journal import journal_storage
+
+
+#: The study of a sweep folder: Optuna's journal file (an append-only log of the study's changes).
+STUDY_FILE = "study.journal"
+#: hpsweep 0.1 kept the study in SQLite; a folder holding one goes on with it.
+LEGACY_STUDY_FILE = "study.db"
 
 
 class OptunaTrial(Trial):
@@ -80,7 +89,16 @@ class OptunaBackend(Backend):
             if settings.space is None:
                 raise UserError("--sampler grid needs a `space` dict (a grid cannot be define-by-run)")
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
-        self.storage_url = settings.storage or f"sqlite:///{settings.output_dir.resolve() / 'study.db'}"
+        #: the journal file holding the study, or None for a storage URL (--storage sqlite:///..., ...)
+        self.journal: Path | None = None
+        legacy = settings.output_dir / LEGACY_STUDY_FILE
+        if settings.storage and "://" in settings.storage:
+            self.storage_url = settings.storage
+        elif not settings.storage and legacy.exists() and not (settings.output_dir / STUDY_FILE).exists():
+            self.storage_url = f"sqlite:///{legacy.resolve()}"  # a sweep begun by hpsweep 0.1 goes on there
+        else:
+            self.journal = Path(settings.storage or settings.output_dir / STUDY_FILE).resolve()
+            self.storage_url = str(self.journal)
         self.study: optuna.Study | None = None
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
@@ -129,6 +147,8 @@ class OptunaBackend(Backend):
         return optuna.pruners.NopPruner()
 
     def _storage(self) -> optuna.storages.BaseStorage:
+        if self.journal is not None:
+            return journal_storage(self.journal)
         url = self.storage_url
         if url.startswith("sqlite"):
             # Several processes write one SQLite file: wait for its lock instead of failing.

@@ -35,7 +35,7 @@ def safe_name(name: str, fallback: str) -> str:
 
     ``../../etc`` becomes ``etc``; a name with nothing safe left becomes ``fallback``; a longer
     name keeps a hash of the whole, so two long names that differ only at the end stay two
-    folders; a name hpsweep uses itself in the sweep folder (``best``, ``study.db``) gets ``run-``.
+    folders; a name hpsweep uses itself in the sweep folder (``best``, ``study.journal``) gets ``run-``.
     """
     cleaned = _UNSAFE.sub("-", str(name)).strip("-.")
     if len(cleaned) > MAX_NAME:
@@ -43,7 +43,8 @@ def safe_name(name: str, fallback: str) -> str:
         cleaned = f"{cleaned[:MAX_NAME - 11].strip('-.')}-{digest}"
     if not cleaned:
         return fallback
-    return f"run-{cleaned}" if cleaned.lower() in RESERVED or cleaned.lower().startswith("study.db") else cleaned
+    reserved = cleaned.lower() in RESERVED or cleaned.lower().startswith(("study.db", "study.journal"))
+    return f"run-{cleaned}" if reserved else cleaned
 
 
 def run_dir_for(output_dir: Path, trial_id: str, name: str | None = None) -> Path:
