@@ -93,6 +93,29 @@ def test_skipping_accelerates_noop_wrappers_leaves_training_bit_identical(tmp_pa
         assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in b)
 
 
+def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_bit(tmp_path: Path) -> None:
+    def trainer(out: str, two_groups: bool) -> hpsweep.Trainer:
+        torch.manual_seed(0)
+        model = Net()
+        groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.0},
+                  {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-2) if two_groups else None  # as hpsweep 0.1 built it
+        args = TrainingArguments(output_dir=str(tmp_path / out), num_train_epochs=2, per_device_train_batch_size=16,
+                                 learning_rate=3e-2, disable_progress=True, save_strategy="steps", save_steps=5,
+                                 eval_strategy="no")
+        return hpsweep.Trainer(model=model, args=args, train_dataset=Data(200, 1), optimizers=(optimizer, None))
+
+    one, two, resumed = trainer("one", two_groups=False), trainer("two", two_groups=True), trainer("r", False)
+    one.train()
+    two.train()
+    assert len(one.optimizer.param_groups) == 1 and len(two.optimizer.param_groups) == 2
+    expected = weights(two)
+    assert all(torch.equal(expected[k], weights(one)[k]) for k in expected)
+    # A checkpoint of the two groups (a sweep cut short before the upgrade) resumes in one, exactly.
+    resumed.train(resume_from_checkpoint=str(tmp_path / "two" / "checkpoint-10"))
+    assert all(torch.equal(expected[k], weights(resumed)[k]) for k in expected)
+
+
 @pytest.mark.parametrize("kw", [{"gradient_accumulation_steps": 2}, {"bf16": True}])
 def test_accumulation_and_mixed_precision_keep_accelerates_wrappers(tmp_path: Path, kw: dict) -> None:
     trainer = make_trainer(tmp_path, num_train_epochs=1, save_strategy="no", **kw)

@@ -226,11 +226,29 @@ def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any,
     import torch
 
     load_weights(model, folder)
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    saved = _in_one_group(torch.load(folder / "optimizer.pt", weights_only=True),
+                          torch.load(folder / "scheduler.pt", weights_only=True), len(optimizer.param_groups))
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
     if scaler is not None and (folder / SCALER_FILE).exists():
         scaler.load_state_dict(read_json(folder / SCALER_FILE))
     return read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
+
+
+def _in_one_group(optimizer: dict[str, Any], scheduler: dict[str, Any],
+                  groups: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit a checkpoint of the two param groups hpsweep 0.1 always made (decay, no decay) to the
+    one group it makes without weight decay, so a sweep cut short before the upgrade resumes.
+    Two groups without decay hold the same settings, so the state carries over exactly."""
+    saved = optimizer["param_groups"]
+    if groups != 1 or len(saved) != 2 or any(g.get("weight_decay") for g in saved):
+        return optimizer, scheduler
+    if {k: v for k, v in saved[0].items() if k != "params"} != {k: v for k, v in saved[1].items() if k != "params"}:
+        return optimizer, scheduler
+    optimizer = {**optimizer, "param_groups": [{**saved[0], "params": saved[0]["params"] + saved[1]["params"]}]}
+    scheduler = {k: v[:1] if k in ("base_lrs", "_last_lr", "lr_lambdas") and isinstance(v, list) else v
+                 for k, v in scheduler.items()}
+    return optimizer, scheduler
 
 
 def rng_state() -> dict[str, Any]:
