@@ -116,6 +116,27 @@ def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_b
     assert all(torch.equal(expected[k], weights(resumed)[k]) for k in expected)
 
 
+def test_the_rng_state_round_trips_and_older_checkpoints_tuple_form_still_loads(tmp_path: Path) -> None:
+    import random
+
+    random.seed(1)
+    state = runs.rng_state()
+    expected = [random.random() for _ in range(3)], torch.rand(3)
+    random.seed(3)
+    old = {**state, "python": random.getstate()}  # the tuple of 625 ints checkpoints held before
+    expected_old = [random.random() for _ in range(3)]
+    torch.save(state, tmp_path / "rng_state.pth")
+    torch.save(old, tmp_path / "old.pth")
+    loaded = torch.load(tmp_path / "rng_state.pth", weights_only=True)
+    assert isinstance(loaded["python"]["internal"], torch.Tensor)  # one tensor, not 625 pickled ints
+    random.seed(2)
+    runs.set_rng_state(loaded)
+    assert [random.random() for _ in range(3)] == expected[0] and torch.equal(torch.rand(3), expected[1])
+    random.seed(2)
+    runs.set_rng_state(torch.load(tmp_path / "old.pth", weights_only=True))
+    assert [random.random() for _ in range(3)] == expected_old
+
+
 @pytest.mark.parametrize("kw", [{"gradient_accumulation_steps": 2}, {"bf16": True}])
 def test_accumulation_and_mixed_precision_keep_accelerates_wrappers(tmp_path: Path, kw: dict) -> None:
     trainer = make_trainer(tmp_path, num_train_epochs=1, save_strategy="no", **kw)

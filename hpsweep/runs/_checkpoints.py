@@ -259,7 +259,11 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+    # Python's 625 state words as one tensor: as a tuple, torch.save pickled them one by one
+    # (~1,000 calls into its pickler, most of a small model's checkpoint time).
+    version, internal, gauss = random.getstate()
+    state = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+             "torch": torch.get_rng_state(),
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
                        "has_gauss": has_gauss, "cached": cached}}
     # Not is_available(): that initialises the CUDA driver, and processes forked afterwards (the
@@ -275,7 +279,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     import numpy as np
     import torch
 
-    version, internal, gauss = state["python"]
+    python = state["python"]  # a tuple in checkpoints written before the state became a tensor
+    version, internal, gauss = (python["version"], python["internal"].tolist(), python["gauss"]) if isinstance(
+        python, Mapping) else python
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
