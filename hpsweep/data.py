@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from .errors import UserError
@@ -86,6 +86,30 @@ def remove_unused_columns(dataset: Any, columns: list[str] | None, model: Any, w
     return dataset.remove_columns(unused) if unused else dataset
 
 
+class BatchedTensors(TensorDataset):
+    """A ``TensorDataset`` that hands its loader whole batches: one index per tensor a batch,
+    instead of one per tensor and sample followed by a ``torch.stack`` per tensor (torch's
+    fetcher takes ``__getitems__`` when a dataset has it). The same values in the same order,
+    bit for bit; on small models the per-sample indexing was ~40% of an evaluation here."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        super().__init__(*dataset.tensors)
+
+    def __getitems__(self, indices: list[int]) -> Collated:
+        index = torch.as_tensor(indices)
+        return Collated(tensor[index] for tensor in self.tensors)
+
+
+class Collated(list):
+    """A batch `BatchedTensors` already collated (a list, as ``default_collate`` makes of tuples)."""
+
+
+def batched(dataset: Any, collate_fn: Callable[[list], Any] | None) -> Any:
+    """``dataset`` as `BatchedTensors` when it is a plain ``TensorDataset`` collated by default."""
+    default = collate_fn is None or collate_fn is default_data_collator
+    return BatchedTensors(dataset) if type(dataset) is TensorDataset and default else dataset
+
+
 class Collator:
     """The collate function of a data loader: drops unused keys of dict samples, then collates,
     turning a failure over a string value into a one-line error naming the column."""
@@ -96,6 +120,8 @@ class Collator:
         self.what = what
 
     def __call__(self, features: list[Any]) -> Any:
+        if type(features) is Collated:
+            return list(features)
         if self.columns is not None and features and isinstance(features[0], Mapping):
             features = [{k: v for k, v in f.items() if k in self.columns} for f in features]
         try:

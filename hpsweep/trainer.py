@@ -32,7 +32,7 @@ from .callbacks import (
     flow_on_step,
 )
 from .accel import make_accelerator
-from .data import (Collator, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
+from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
                    remove_unused_columns, resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
 from .hf import as_training_arguments, default_collator, save_processing_class, trainer_components
@@ -141,7 +141,7 @@ class Trainer:
             if key not in self._columns_removed:  # a datasets.Dataset without them, made once per dataset
                 self._columns_removed[key] = (dataset, remove_unused_columns(dataset, columns, self.model, what))
             dataset, columns = self._columns_removed[key][1], None
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
+        return DataLoader(batched(dataset, self.data_collator), batch_size=batch_size, shuffle=shuffle,
                           collate_fn=Collator(self.data_collator, columns, what),
                           drop_last=self.args.dataloader_drop_last and shuffle,
                           num_workers=self.args.dataloader_num_workers,

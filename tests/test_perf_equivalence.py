@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import hpsweep
 from hpsweep import runs
 from hpsweep.arguments import TrainingArguments
 from hpsweep.callbacks import TrialReporter
+from hpsweep.data import BatchedTensors, default_data_collator
 
 CHECKPOINT_FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
                     "training_args.json"}
@@ -114,6 +116,32 @@ def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_b
     # A checkpoint of the two groups (a sweep cut short before the upgrade) resumes in one, exactly.
     resumed.train(resume_from_checkpoint=str(tmp_path / "two" / "checkpoint-10"))
     assert all(torch.equal(expected[k], weights(resumed)[k]) for k in expected)
+
+
+def test_a_tensor_dataset_fetched_a_batch_at_a_time_trains_bit_for_bit_as_sample_by_sample(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = Data(200, 1)
+    train, val = torch.utils.data.TensorDataset(data.x, data.y), torch.utils.data.TensorDataset(data.x[:50], data.y[:50])
+    fetched = []
+    whole_batches = BatchedTensors.__getitems__
+    monkeypatch.setattr(BatchedTensors, "__getitems__", lambda self, i: fetched.append(len(i)) or whole_batches(self, i))
+
+    def run(out: str, collator: Any) -> hpsweep.Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path / out), num_train_epochs=2, per_device_train_batch_size=16,
+                                 per_device_eval_batch_size=32, learning_rate=3e-2, disable_progress=True,
+                                 save_strategy="no", eval_strategy="epoch")
+        trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=train, eval_dataset=val,
+                                  data_collator=collator, compute_metrics=accuracy)
+        trainer.train()
+        return trainer
+
+    sample_by_sample = run("samples", lambda features: default_data_collator(features))  # a collator of one's own
+    assert fetched == []
+    whole = run("batched", None)  # the default collator: the loader takes whole batches
+    assert fetched[:13] == [16] * 12 + [8] and len(fetched) == 2 * 13 + 2 * 2  # two epochs, two evaluations
+    expected, got = weights(sample_by_sample), weights(whole)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert whole.state.log_history == sample_by_sample.state.log_history  # losses and eval metrics
 
 
 def test_the_rng_state_round_trips_and_older_checkpoints_tuple_form_still_loads(tmp_path: Path) -> None:
