@@ -90,6 +90,8 @@ def test_space_file_missing_a_required_name(tmp_path: Path) -> None:
     (["--n-trials", "many"], ["invalid int value: 'many'"]),
     (["--sampler", "grid"], ["has no step", "Float(..., step=...)"]),
     (["--storage", "sqlite:////nonexistent-dir/x/study.db"], ["cannot be opened", "check the URL"]),
+    (["--storage", "/proc/hpsweep/study.journal"], ["study's journal /proc/hpsweep/study.journal cannot be written",
+                                                    "writable folder"]),
 ])
 def test_bad_command_line(tmp_path: Path, space_file: Path, argv: list[str], needles: list[str]) -> None:
     assert_user_error(hpsweep_cli("run", space_file, *argv, cwd=tmp_path), *needles)

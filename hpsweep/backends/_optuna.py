@@ -148,7 +148,11 @@ class OptunaBackend(Backend):
 
     def _storage(self) -> optuna.storages.BaseStorage:
         if self.journal is not None:
-            return journal_storage(self.journal)
+            try:
+                return journal_storage(self.journal)
+            except OSError as exc:
+                raise UserError(f"the study's journal {self.journal} cannot be written ({exc.strerror}); "
+                                "give --storage a path in a writable folder") from None
         url = self.storage_url
         if url.startswith("sqlite"):
             # Several processes write one SQLite file: wait for its lock instead of failing.
