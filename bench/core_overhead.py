@@ -9,9 +9,9 @@ taken within each round and the median of the rounds is reported, so load that d
 the run (a shared machine) moves both sides of a ratio alike.
 
 - hand: the fair peer. A hand-written torch loop driven by raw Optuna with what hpsweep's
-  defaults give: an SQLite study, a ``trial.report`` of the accuracy every epoch, and a
-  checkpoint every epoch (model, optimizer and scheduler state in one ``torch.save``).
-- hpsweep: ``hpsweep run`` with its defaults (SQLite study, evaluation and a checkpoint every
+  defaults give: a study in Optuna's journal file, a ``trial.report`` of the accuracy every
+  epoch, and a checkpoint every epoch (model, optimizer and scheduler state in one ``torch.save``).
+- hpsweep: ``hpsweep run`` with its defaults (journal study, evaluation and a checkpoint every
   epoch, trial records, ``best/`` kept current), ``--pruner none`` so every trial trains fully
   on both sides.
 - hpsweep-nosave: the same with ``--set save_strategy=no`` (one final checkpoint per trial).
@@ -90,7 +90,8 @@ def objective(trial):
     return acc
 
 os.makedirs(OUT, exist_ok=True)
-study = optuna.create_study(direction="maximize", storage=f"sqlite:///{OUT}/study.db", study_name="hand")
+storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{OUT}/study.journal"))
+study = optuna.create_study(direction="maximize", storage=storage, study_name="hand")
 study.optimize(objective, n_trials=TRIALS)
 '''
 

@@ -7,7 +7,7 @@ Contenders, each a fresh process per (task, seed), run interleaved (seed 0 of ev
 then seed 1, ...), all searching the same space over the same model and data (bench/_tasks.py)
 for the same number of trials, seeded, with one torch thread per process (OMP_NUM_THREADS=1):
 
-- hpsweep: ``hpsweep run`` with its defaults (TPE, median pruning, SQLite, checkpoints, best/);
+- hpsweep: ``hpsweep run`` with its defaults (TPE, median pruning, its study on disk, checkpoints, best/);
   on digits the shipped ``search_spaces/digits_mlp.py`` itself;
 - hpsweep-jobs2: the same with ``--n-jobs 2``;
 - hf: Hugging Face ``Trainer.hyperparameter_search`` with its defaults (optuna backend: TPE,
