@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,14 @@ import optuna
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The Ctrl-C tests send SIGINT to the commands they start, as a terminal does. A shell that runs the
+# suite in the background without job control starts it with SIGINT ignored; the commands would
+# inherit that, and Python installs no KeyboardInterrupt handler in a process that starts so. A
+# handled signal is reset to its default in a child, so handling it here gives every command the
+# terminal's Ctrl-C back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A tiny, fast, real space file: a 2-layer MLP on a fixed synthetic 4-class problem.
 TINY_SPACE = '''
