@@ -171,6 +171,28 @@ def test_a_dead_server_is_fatal_when_asked(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_trial_whose_ending_never_reached_mlflow_gets_its_records_state(mlflow_server: str, tmp_path: Path) -> None:
+    """A worker whose call at the trial's end was lost (its tracking turned off by one slow request,
+    a dropped connection) leaves the child RUNNING; the sweep's end sets it from the record on
+    disk, not to "stopped"."""
+    from mlflow.tracking import MlflowClient
+
+    space = write_space(tmp_path, name="lost_end.py", epochs=1)
+    command = ("run", space, "--n-trials", "2", "--pruner", "none", "--mlflow", mlflow_server)
+    hpsweep_cli(*command, check=True)
+    client = MlflowClient(mlflow_server)
+    record = next(r for r in _records(tmp_path / "out").values() if r["number"] == 0)
+    lost = record["user_attrs"]["mlflow_run_id"]
+    client.set_tag(lost, "hpsweep.state", "running")  # as the child stands until the trial's end is logged
+    client.update_run(lost, status="RUNNING")
+
+    hpsweep_cli(*command, check=True)  # the same command: nothing left to run, the sweep ends again
+    child = client.get_run(lost)
+    assert record["state"] == "complete"
+    assert (child.data.tags["hpsweep.state"], child.info.status) == ("complete", "FINISHED")
+    assert child.data.metrics["objective"] == pytest.approx(record["objective"])
+
+
 @pytest.mark.parametrize("backend, extra_args", [
     ("ray", ["--scheduler", "asha", "--n-jobs", "2"]),
     ("wandb", ["--sampler", "random"]),

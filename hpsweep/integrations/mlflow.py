@@ -104,13 +104,20 @@ class MLflowTracker(SweepCallback):
         parent = self.parent_run_id
         best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
         run_of = {r.id: r.user_attrs.get("mlflow_run_id") for r in records}
+        record_of = {r.user_attrs.get("mlflow_run_id"): r for r in records}
         best_runs = {run_of[i] for i in best_ids if run_of.get(i)}
         children = client.search_runs([self.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'",
                                       max_results=5000)
         for child in children:
-            if child.info.status == "RUNNING":  # a trial that never reached on_trial_end
-                client.set_tag(child.info.run_id, "hpsweep.state", "stopped")
-                client.update_run(child.info.run_id, status="KILLED")
+            if child.info.status == "RUNNING":  # the trial's own ending never reached MLflow
+                record = record_of.get(child.info.run_id)
+                if record is not None and record.state in ("complete", "pruned", "failed"):
+                    # Its process lost the call (a worker's tracking turned off by a slow request,
+                    # a dropped connection): the record on disk says how the trial ended.
+                    self._finish_child(client, child.info.run_id, record, params=False)
+                else:
+                    client.set_tag(child.info.run_id, "hpsweep.state", "stopped")
+                    client.update_run(child.info.run_id, status="KILLED")
             was_best = child.data.tags.get("hpsweep.best") == "true"
             is_best = child.info.run_id in best_runs
             if was_best != is_best:
@@ -157,11 +164,12 @@ class MLflowTracker(SweepCallback):
             return
         self._call(f"finish the run of trial {record.number}", lambda c: self._finish_child(c, run_id, record))
 
-    def _finish_child(self, client: Any, run_id: str, record: Any) -> None:
+    def _finish_child(self, client: Any, run_id: str, record: Any, params: bool = True) -> None:
         from mlflow.entities import Metric, RunTag
 
-        late = {k: v for k, v in scrub(record.params).items() if k not in self._logged_params.get(run_id, set())}
-        _log_params(client, run_id, late)  # define-by-run params sampled inside model_init
+        if params:  # define-by-run params sampled inside model_init
+            late = {k: v for k, v in scrub(record.params).items() if k not in self._logged_params.get(run_id, set())}
+            _log_params(client, run_id, late)
         metrics = []
         objective = record.objective
         values = objective if isinstance(objective, list) else [objective] if objective is not None else []
