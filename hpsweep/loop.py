@@ -161,7 +161,11 @@ class _Supervisor:
 
     def run(self) -> None:
         n = self.placement.slots
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # A command started with SIGINT ignored (`cmd &` in a script, `nohup`) keeps ignoring it, as a
+        # one-job sweep does: Python leaves an inherited SIG_IGN alone.
+        stops = [sig for sig in (signal.SIGINT, signal.SIGTERM)
+                 if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN]
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stops}
         try:
             for index in range(n):
                 self._start(index)

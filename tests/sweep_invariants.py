@@ -68,10 +68,10 @@ def finished_at(output_dir: Path) -> dict[str, float]:
     return {r.id: r.finished_at for r in runs.read_trials(output_dir) if r.state in ("complete", "pruned", "failed")}
 
 
-def start(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.Popen:
+def start(*args: str, cwd: Path | None = None, env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hpsweep.cli", *map(str, args)], cwd=cwd,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
 
 
 def wait_for(condition, timeout: float = 120.0) -> bool:

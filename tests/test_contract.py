@@ -163,6 +163,28 @@ def test_ctrl_c_stops_every_n_jobs_worker(tmp_path: Path) -> None:
     assert violations(out, 4) == []
 
 
+@pytest.mark.parametrize("n_jobs", [1, 2])
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path: Path, n_jobs: int) -> None:
+    """`hpsweep run ... &` in a script (or under `nohup`) starts with SIGINT ignored: one job or
+    several, the sweep goes on through a SIGINT and finishes; SIGTERM still stops it."""
+    space, out = slow_space(tmp_path), tmp_path / "out"
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+    proc = start(*cmd("optuna", space, 3, "--n-jobs", str(n_jobs)), preexec_fn=ignore)
+    assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert [r.state for r in runs.read_trials(out)] == ["complete"] * 3
+    assert violations(out, 3) == []
+
+    proc = start(*cmd("optuna", space, 6, "--n-jobs", str(n_jobs)), preexec_fn=ignore)
+    assert wait_for(lambda: len(runs.read_trials(out)) >= 4), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert not any(r.state == "running" for r in runs.read_trials(out))
+
+
 def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: Path) -> None:
     import subprocess
 
