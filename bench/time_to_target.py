@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="digits only, 2 seeds, 12 trials")
     parser.add_argument("--tasks", default="digits,shapes")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--plot", default=str(BENCH / "time_to_target.png"), help="PNG of the best-so-far curves")
@@ -246,7 +247,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for task in [] if ns.load else ns.tasks.split(","):
             all_results[task] = {c: [] for c in contenders}
-            for seed in range(ns.seeds):
+            for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
                 for c in contenders:
                     r = run(c, task, seed, ns.trials, Path(tmp))
                     all_results[task][c].append(r)
@@ -259,6 +260,7 @@ def main() -> None:
         print(summarise(task, results, ns.trials))
     plot(all_results, Path(ns.plot))
     flags = "--quick" if ns.quick else f"--tasks {ns.tasks} --seeds {ns.seeds} --trials {ns.trials}"
+    flags += f" --first-seed {ns.first_seed}" if ns.first_seed else ""
     flags = f"--load {ns.load} --trials {ns.trials}" if ns.load else flags
     print(f"\nplot: {ns.plot}\nreproduce: python bench/time_to_target.py {flags} --contenders {ns.contenders}")
 
