@@ -60,7 +60,8 @@ from ..ledger import AGAIN
 from ..loop import RESTARTS_PER_WORKER, Interrupted
 from ..space import Float, Int
 from ._base import Backend, SearchSettings
-from ._ray_cluster import collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value, stop_file
+from ._ray_cluster import (collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value,
+                           shipped_record, stop_file)
 from ._ray_search import VariantGenerator, mode, native_space, scheduler, search_algorithm, tune_space
 from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_trial
 
@@ -234,6 +235,7 @@ class RayBackend(Backend):
         with signals.tune_running():
             results = tuner.fit()
         trials = results._experiment_analysis.trials
+        _await_shipped_runs(trials, s.output_dir)
         collect_shipped_runs(trials, s.output_dir)
         self._reconcile(ledger, trials, results, stopper, signals)
 
@@ -399,6 +401,28 @@ def _await_endings(ledger: Any, trial_ids: set[str], timeout: float = ENDINGS_WA
     while time.monotonic() < deadline:
         if not any(str(lease.trial) in trial_ids and lease.on_this_host and lease.alive() for lease in ledger.leases()):
             return
+        time.sleep(0.1)
+
+
+def _await_shipped_runs(tune_trials: list[Any], output_dir: Path, timeout: float = ENDINGS_WAIT_S) -> None:
+    """Wait until every trial of a round that trained has a record, up to ``timeout`` seconds.
+
+    A trial on a node without ``--output-dir`` records its ending in a node-local folder and ships
+    it through Ray's storage (`NodeLocalRuns.ship`) on the actor's way out, which can come after
+    Tune's ``fit()`` has returned (Tune stops a trial without waiting for it; an ASHA-pruned
+    trial's ship was seen landing 0.1 s after the round ended). Collecting before it landed would
+    lose that trial's record, and the next round would train another trial in its place. A trial
+    that trained (reported a result) and whose worker did not die has its record in
+    ``--output-dir`` (it ran on a node that sees it) or shipped.
+    """
+    def pending() -> list[Any]:
+        here = {r.id for r in runs.read_trials(output_dir)}
+        return [t for t in tune_trials if t.status != "ERROR" and METRIC in (t.last_result or {})
+                and USER_ERROR_KEY not in t.last_result and str(t.config.get(AGAIN_KEY) or t.trial_id) not in here
+                and ((shipped := shipped_record(t)) is None or shipped.state == "running")]
+
+    deadline = time.monotonic() + timeout
+    while pending() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

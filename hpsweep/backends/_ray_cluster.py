@@ -316,7 +316,12 @@ class NodeLocalRuns:
             record.save()
             if ray_storage._exists_at_fs_path(self.fs, self.remote):
                 ray_storage._delete_fs_path(self.fs, self.remote)  # drop checkpoints rotated away since the last trip
-            ray_storage._upload_to_fs_path(record.run_dir, self.fs, self.remote)
+            # trial.json last: whoever sees it in Ray's storage sees the whole folder (`shipped_record`)
+            for entry in sorted(Path(record.run_dir).iterdir()):
+                if entry.name != runs.TRIAL_FILE:
+                    ray_storage._upload_to_fs_path(str(entry), self.fs, f"{self.remote}/{entry.name}")
+            ray_storage._upload_to_fs_path(str(Path(record.run_dir) / runs.TRIAL_FILE), self.fs,
+                                           f"{self.remote}/{runs.TRIAL_FILE}")
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -342,19 +347,31 @@ def _freshness(record: runs.TrialRecord) -> tuple[float, bool, float]:
     return record.started_at, record.state != "running", record.finished_at or 0.0
 
 
+def _shipped_to(tune_trial: Any) -> tuple[Any, str] | None:
+    """(filesystem, path) of the folder in Ray's storage ``tune_trial`` ships its run to."""
+    storage = tune_trial.storage
+    if storage is None or not storage.trial_dir_name:  # a trial that never started has no folder
+        return None
+    return storage.storage_filesystem, f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
+
+
+def shipped_record(tune_trial: Any) -> runs.TrialRecord | None:
+    """The record ``tune_trial`` shipped through Ray's storage from a node without ``--output-dir``, if any."""
+    where = _shipped_to(tune_trial)
+    return remote_record(*where) if where else None
+
+
 def collect_shipped_runs(tune_trials: list[Any], output_dir: Path) -> None:
     """Copy the run folders that ``tune_trials`` on nodes without ``--output-dir`` shipped through
     Ray's storage into ``--output-dir`` (unless it holds a newer record of the trial), and promote them."""
     from ray.train._internal.storage import _download_from_fs_path
 
     for tune_trial in tune_trials:
-        storage = tune_trial.storage
-        if storage is None or not storage.trial_dir_name:  # a trial that never started has no folder
-            continue
-        fs, remote = storage.storage_filesystem, f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
-        shipped = remote_record(fs, remote)
+        where = _shipped_to(tune_trial)
+        shipped = remote_record(*where) if where else None
         if shipped is None:
             continue
+        fs, remote = where
         target = runs.run_dir_for(output_dir, shipped.id, Path(shipped.run_dir).name)
         here = runs.TrialRecord.load(target / runs.TRIAL_FILE)
         if here is not None and here.id == shipped.id and _freshness(here) >= _freshness(shipped):
