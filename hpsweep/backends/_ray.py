@@ -67,8 +67,9 @@ from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_tria
 
 EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
-# After a stop, how long the driver waits for the round's actors on this host to record their
-# trials' endings: Tune force-kills an actor 10 s after asking it to stop (see _ray_trial._InFlight).
+# How long the driver waits, after a round, for its actors to record their trials' endings (after a
+# stop, those on this host; always, the runs shipped from nodes without --output-dir): Tune
+# force-kills an actor 10 s after asking it to stop (see _ray_trial._InFlight).
 ENDINGS_WAIT_S = 15.0
 DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died before it is recorded failed
 
