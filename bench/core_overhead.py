@@ -30,6 +30,7 @@ import argparse
 import importlib.util
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,10 @@ def load(part):
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
+        widths, layers = [32, *HIDDEN], []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(widths[-1], 2))
     def forward(self, x, labels=None):
         logits = self.net(x)
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
@@ -83,6 +87,8 @@ def objective(trial):
                           for x, y in torch.utils.data.DataLoader(val, batch_size=256))
         acc = correct / len(val)
         trial.report(acc, epoch + 1)
+        if PRUNER != "none" and epoch + 1 < EPOCHS and trial.should_prune():  # before its checkpoint, as hpsweep
+            raise optuna.TrialPruned()
         folder = f"{OUT}/run-{trial.number}/checkpoint-{epoch + 1}"
         os.makedirs(folder, exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
@@ -91,7 +97,9 @@ def objective(trial):
 
 os.makedirs(OUT, exist_ok=True)
 storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{OUT}/study.journal"))
-study = optuna.create_study(direction="maximize", storage=storage, study_name="hand")
+pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if PRUNER == "median" else optuna.pruners.NopPruner()
+study = optuna.create_study(direction="maximize", storage=storage, study_name="hand", pruner=pruner,
+                            sampler=optuna.samplers.TPESampler(seed=SEED))
 study.optimize(objective, n_trials=TRIALS)
 '''
 
@@ -134,16 +142,19 @@ trainer.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_flo
 '''
 
 
-def command(name: str, work: Path, trials: int, epochs: int) -> list[str]:
-    out = work / f"{name}-{time.monotonic_ns()}"
-    header = f"TRIALS, EPOCHS, OUT = {trials}, {epochs}, {str(out)!r}\n"
+def command(name: str, out: Path, ns: argparse.Namespace) -> list[str]:
+    work = out.parent
+    hidden = [int(w) for w in ns.hidden.split(",")]
+    header = (f"TRIALS, EPOCHS, OUT, HIDDEN = {ns.trials}, {ns.epochs}, {str(out)!r}, {hidden!r}\n"
+              f"PRUNER, SEED = {ns.pruner!r}, {ns.seed}\n")
     if name == "hand":
         return [sys.executable, "-c", header + HAND]
     if name == "hf":
         return [sys.executable, "-c", header + HF]
     space = work / f"space_{name}_{time.monotonic_ns()}.py"
     space.write_text(header + SPACE)
-    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(trials), "--pruner", "none"]
+    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(ns.trials),
+           "--pruner", ns.pruner, "--seed", str(ns.seed)]
     return cmd + (["--set", "save_strategy=no"] if name == "hpsweep-nosave" else [])  # hpsweep, hpsweep-base
 
 
@@ -171,6 +182,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", default="64", help="the MLP's hidden widths, comma-separated (the issue's: 64); "
+                        "wider models make checkpoints cost more")
+    parser.add_argument("--pruner", choices=("none", "median"), default="none",
+                        help="none (the issue's: every trial trains fully) or median (hpsweep's default pruner, "
+                             "also in the hand loop, which asks it before each checkpoint)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed, on both sides")
     has_hf = importlib.util.find_spec("transformers") is not None
     parser.add_argument("--variants", default="hand,hpsweep,hpsweep-nosave" + (",hf" if has_hf else ""),
                         help="comma-separated; the first is the peer every ratio divides by")
@@ -180,26 +197,34 @@ def main() -> None:
     variants = ns.variants.split(",") + (["hpsweep-base"] if ns.base else [])
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
+    disk: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(ns.repeats):
             for v in variants:
-                w, c = timed(command(v, Path(tmp), ns.trials, ns.epochs), ns.base if v == "hpsweep-base" else None)
+                out = Path(tmp) / f"{v}-{r}"
+                w, c = timed(command(v, out, ns), ns.base if v == "hpsweep-base" else None)
                 wall[v].append(w)
                 cpu[v].append(c)
-                print(f"  round {r + 1}: {v:<15} {w:6.2f} s wall {c:6.2f} s CPU", file=sys.stderr, flush=True)
+                disk[v].append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20)
+                shutil.rmtree(out)
+                print(f"  round {r + 1}: {v:<15} {w:6.2f} s wall {c:6.2f} s CPU {disk[v][-1]:8.1f} MB on disk",
+                      file=sys.stderr, flush=True)
     peer = variants[0]
     print(f"\n{ns.trials} trials x {ns.epochs} epochs; {ns.repeats} interleaved rounds of fresh processes; "
           f"ratio = median over rounds of (variant / {peer} in the same round)")
-    print(f"| variant | median wall s | wall vs {peer} | min-max | median CPU s | CPU vs {peer} | min-max |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| variant | median wall s | wall vs {peer} | min-max | median CPU s | CPU vs {peer} | min-max "
+          "| MB left on disk |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         rw = [a / b for a, b in zip(wall[v], wall[peer])]
         rc = [a / b for a, b in zip(cpu[v], cpu[peer])]
         print(f"| {v} | {statistics.median(wall[v]):.2f} | {statistics.median(rw):.2f}x | {min(rw):.2f}-{max(rw):.2f} "
-              f"| {statistics.median(cpu[v]):.2f} | {statistics.median(rc):.2f}x | {min(rc):.2f}-{max(rc):.2f} |")
+              f"| {statistics.median(cpu[v]):.2f} | {statistics.median(rc):.2f}x | {min(rc):.2f}-{max(rc):.2f} "
+              f"| {statistics.median(disk[v]):.1f} |")
     base = f" --base {ns.base}" if ns.base else ""
     print(f"\nreproduce: python bench/core_overhead.py --trials {ns.trials} --epochs {ns.epochs} "
-          f"--repeats {ns.repeats} --variants {ns.variants}{base}")
+          f"--repeats {ns.repeats} --variants {ns.variants} --hidden {ns.hidden} --pruner {ns.pruner} "
+          f"--seed {ns.seed}{base}")
 
 if __name__ == "__main__":
     main()

@@ -227,10 +227,11 @@ class MetricCallback(TrainerCallback):
 class TrialReporter(TrainerCallback):
     """Reports each evaluation to the `Trial` and stops the run when the backend prunes it.
 
-    When a checkpoint is saved at the same step as the evaluation, the report waits for it so
-    that backends which restart trials (Ray's PBT) receive the checkpoint with the metrics. A
-    trial that declares ``reads_checkpoints = False`` gets the path without waiting for the
-    background write.
+    A trial that `reads_checkpoints` (Ray: Tune keeps the checkpoint with the result) gets the
+    report once the evaluation's checkpoint is on disk. Any other trial is told right after the
+    evaluation, before a checkpoint is written: one pruned there writes none (as in Hugging
+    Face's Trainer, which raises ``TrialPruned`` before saving), since nothing resumes a pruned
+    trial, and the loop's checkpoints are written off the training thread.
 
     The run's last evaluation is reported but never offered for pruning: the trial has done all
     its work by then, so it is complete (recorded so) and stopping it would save nothing.
@@ -249,8 +250,10 @@ class TrialReporter(TrainerCallback):
         # (an earlier callback such as early stopping said so), or runs after training ended.
         last = control.should_training_stop or state.global_step >= state.max_steps
         self._pending = (state.num_evaluations, dict(metrics), self.objective(metrics), last)
-        if not control.should_save:
+        if not (control.should_save and self.reads_checkpoints):
             self._deliver(control, None)
+            if self.pruned:
+                control.should_save = False  # the pruned evaluation's checkpoint would never be read
 
     def on_save(self, args: Any, state: TrainerState, control: TrainerControl, *, checkpoint: str, **kwargs: Any) -> None:
         if self._pending is not None:

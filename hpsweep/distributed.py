@@ -232,6 +232,7 @@ class _RankTrial(Trial):
     def __init__(self, trial: Trial, rank: int, conn: Connection) -> None:
         super().__init__(trial.number, trial.params, id=trial.id)
         self.backend = trial.backend
+        self.reads_checkpoints = trial.reads_checkpoints  # every rank asks at the same point either way
         self.user_attrs = dict(trial.user_attrs)
         self.rank, self.conn = rank, conn
 

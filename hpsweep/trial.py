@@ -34,6 +34,11 @@ class Trial:
     ref: Any = None
     #: Whether ``suggest_*`` may add new params while the trial runs (define-by-run).
     define_by_run: bool = False
+    #: Whether `report` needs the evaluation's checkpoint (its folder, on disk). A backend whose
+    #: `report` ignores it sets False: its trial is then asked `should_prune` before a checkpoint
+    #: is written, a trial pruned at an evaluation writes none for it (nothing resumes a pruned
+    #: trial), and the loop's checkpoints are written off the training thread.
+    reads_checkpoints: bool = True
 
     def __init__(self, number: int, params: Mapping[str, Any] | None = None, *, id: str | None = None) -> None:
         self.number = number
@@ -45,7 +50,8 @@ class Trial:
                checkpoint: str | None = None) -> None:
         """Called after each evaluation (``step`` counts evaluations, from 1).
 
-        ``checkpoint`` is the folder saved at that evaluation, when one was.
+        ``checkpoint`` is the folder saved at that evaluation, when one was (always None for a
+        trial that does not `reads_checkpoints`).
         """
 
     def should_prune(self) -> bool:

@@ -203,7 +203,7 @@ def test_background_rotation_keeps_the_limit_and_the_best(tmp_path: Path) -> Non
 
 
 class NotesPaths(hpsweep.Trial):
-    """A backend that only records where each evaluation's checkpoint is (as Optuna could)."""
+    """A backend whose reports ignore checkpoints (as Optuna's and W&B's do); it notes what it is told."""
 
     reads_checkpoints = False
 
@@ -215,16 +215,18 @@ class NotesPaths(hpsweep.Trial):
         self.paths.append(checkpoint)
 
 
-def test_checkpoints_a_trial_was_told_of_are_whole_when_training_returns(tmp_path: Path) -> None:
+def test_a_trial_that_reads_no_checkpoints_trains_on_while_they_are_written(tmp_path: Path) -> None:
     trial = NotesPaths()
     reporter = TrialReporter(trial, lambda m: m["eval_accuracy"])
     trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=5)
     trainer.add_callback(reporter)
     assert not trainer._handler.reads_checkpoints()  # so the loop's checkpoints are written in the background
     trainer.train(trial=trial)
-    assert len(trial.paths) == 7 and all(trial.paths)  # evaluations at steps 5, 10, ..., 35
-    for path in trial.paths:
-        assert {p.name for p in Path(path).iterdir()} == CHECKPOINT_FILES
+    assert trial.paths == [None] * 7  # told at each evaluation (steps 5, 10, ..., 35), before its checkpoint is written
+    written = runs.checkpoints(tmp_path)
+    assert [p.name for p in written] == [f"checkpoint-{s}" for s in (5, 10, 15, 20, 25, 30, 35, 39)]
+    for path in written:  # all on disk, whole, when training returns
+        assert {p.name for p in path.iterdir()} == CHECKPOINT_FILES
 
 
 def test_a_checkpoint_that_cannot_be_written_fails_the_run(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 from torch import nn
 
@@ -51,9 +52,11 @@ class PruneAtEveryChance(hpsweep.Trial):
         self.start = start
         self.reported: list[int] = []
         self.asked_at: list[int] = []
+        self.checkpoints: list[str | None] = []
 
     def report(self, step, metrics, objective, checkpoint=None) -> None:
         self.reported.append(step)
+        self.checkpoints.append(checkpoint)
 
     def should_prune(self) -> bool:
         self.asked_at.append(self.reported[-1])
@@ -92,6 +95,22 @@ def test_the_last_evaluation_is_reported_but_never_offered_for_pruning(tmp_path:
     assert trial.reported == [1, 2, 3] and trial.asked_at == [1] and not reporter.pruned
 
 
+@pytest.mark.parametrize("reads_checkpoints", [False, True])
+def test_the_evaluation_that_prunes_a_trial_writes_no_checkpoint_unless_the_backend_reads_it(
+        tmp_path: Path, reads_checkpoints: bool) -> None:
+    trial = PruneAtEveryChance(start=2)
+    trial.reads_checkpoints = reads_checkpoints  # Optuna and W&B: False; Ray (Tune keeps each result's checkpoint): True
+    trainer, reporter = train_trial(tmp_path, trial, num_train_epochs=3)  # a checkpoint every epoch, 5 steps each
+    assert reporter.pruned and trial.reported == [1, 2] and trainer.state.global_step == 10
+    written = [p.name for p in runs.checkpoints(tmp_path)]
+    if reads_checkpoints:  # the backend was handed the pruned evaluation's checkpoint, whole
+        assert written == ["checkpoint-5", "checkpoint-10"]
+        assert trial.checkpoints == [str(tmp_path / "checkpoint-5"), str(tmp_path / "checkpoint-10")]
+    else:  # pruned at the second evaluation: its checkpoint, which nothing would read, is not written
+        assert written == ["checkpoint-5"] and trial.checkpoints == [None, None]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nor half of it
+
+
 def test_optuna_records_a_trial_pruned_before_its_last_step(tmp_path: Path) -> None:
     # A real study on SQLite whose pruner stops every trial it is asked about.
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize",
@@ -112,6 +131,8 @@ def test_a_sweeps_pruned_trials_stop_before_their_last_evaluation(tmp_path: Path
     pruned = [r for r in records if r.state == "pruned"]
     assert pruned, "this seed prunes some trials"
     assert all(len(r.history) < 4 for r in pruned)
+    for r in pruned:  # a checkpoint for each evaluation but the one that pruned it
+        assert [c.name for c in runs.checkpoints(Path(r.run_dir))] == [f"checkpoint-{h['step']}" for h in r.history[:-1]]
     assert all(len(r.history) == 4 for r in records if r.state == "complete")
     study = load_sweep_study(tmp_path / "out")
     for t in study.trials:

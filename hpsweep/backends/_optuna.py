@@ -37,6 +37,7 @@ class OptunaTrial(Trial):
 
     backend = "optuna"
     define_by_run = True
+    reads_checkpoints = False
 
     def __init__(self, trial: optuna.Trial, multi_objective: bool, number: int | None = None) -> None:
         super().__init__(trial.number if number is None else number, trial.params)

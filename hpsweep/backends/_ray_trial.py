@@ -77,6 +77,7 @@ class RayTrial(Trial):
     """
 
     backend = "ray"
+    reads_checkpoints = True  # each result carries its checkpoint: PBT and paused trials resume from it
 
     def __init__(self, number: int, params: dict[str, Any], *, id: str, budget: int | None = None) -> None:
         super().__init__(number, params, id=id)

@@ -57,6 +57,7 @@ class WandbTrial(Trial):
     """
 
     backend = "wandb"
+    reads_checkpoints = False  # a row of metrics; the run's checkpoints stay in its folder
 
     def __init__(self, number: int, params: Mapping[str, Any], *, run: Any, metric: str,
                  history: Sequence[Mapping[str, float]] = (),
