@@ -193,6 +193,42 @@ def test_a_trial_whose_ending_never_reached_mlflow_gets_its_records_state(mlflow
     assert child.data.metrics["objective"] == pytest.approx(record["objective"])
 
 
+LATE_PARAM_MODEL_INIT = '''
+def model_init(trial):
+    return Net(hidden=trial.suggest_int("hidden", 8, 32, step=8) if trial is not None else 16)
+'''
+
+
+def test_a_lost_ending_still_gets_the_params_model_init_sampled(mlflow_server: str, tmp_path: Path) -> None:
+    """A param that model_init samples define-by-run reaches MLflow with the trial's end. When that
+    end was lost, the sweep's end logs it from the record, with the state and objective."""
+    from mlflow.tracking import MlflowClient
+
+    space = write_space(tmp_path, name="late_params.py", epochs=1, model_init=LATE_PARAM_MODEL_INIT,
+                        space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True)}')
+    command = ("run", space, "--n-trials", "1", "--pruner", "none", "--mlflow", mlflow_server)
+    hpsweep_cli(*command, check=True)
+    client = MlflowClient(mlflow_server)
+    path = next((tmp_path / "out").glob("run-*/trial.json"))
+    record = json.loads(path.read_text())
+    child = client.get_run(record["user_attrs"]["mlflow_run_id"])
+    assert child.data.params["hidden"] == str(record["params"]["hidden"])  # logged at the trial's end
+
+    # The child as it stood when the trial's end never reached MLflow: running, the space's params only.
+    lost = client.create_run(child.info.experiment_id, run_name=child.info.run_name,
+                             tags={"mlflow.parentRunId": child.data.tags["mlflow.parentRunId"],
+                                   "hpsweep.state": "running"}).info.run_id
+    client.log_param(lost, "learning_rate", child.data.params["learning_rate"])
+    path.write_text(json.dumps({**record, "user_attrs": {**record["user_attrs"], "mlflow_run_id": lost}}))
+
+    hpsweep_cli(*command, check=True)  # the same command: nothing left to run, the sweep ends again
+    repaired = client.get_run(lost)
+    assert repaired.data.params == {"learning_rate": child.data.params["learning_rate"],
+                                    "hidden": str(record["params"]["hidden"])}
+    assert (repaired.data.tags["hpsweep.state"], repaired.info.status) == ("complete", "FINISHED")
+    assert repaired.data.metrics["objective"] == pytest.approx(record["objective"])
+
+
 @pytest.mark.parametrize("backend, extra_args", [
     ("ray", ["--scheduler", "asha", "--n-jobs", "2"]),
     ("wandb", ["--sampler", "random"]),

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ class MLflowTracker(SweepCallback):
                 if record is not None and record.state in ("complete", "pruned", "failed"):
                     # Its process lost the call (a worker's tracking turned off by a slow request,
                     # a dropped connection): the record on disk says how the trial ended.
-                    self._finish_child(client, child.info.run_id, record, params=False)
+                    self._finish_child(client, child.info.run_id, record, logged=child.data.params)
                 else:
                     client.set_tag(child.info.run_id, "hpsweep.state", "stopped")
                     client.update_run(child.info.run_id, status="KILLED")
@@ -164,12 +164,14 @@ class MLflowTracker(SweepCallback):
             return
         self._call(f"finish the run of trial {record.number}", lambda c: self._finish_child(c, run_id, record))
 
-    def _finish_child(self, client: Any, run_id: str, record: Any, params: bool = True) -> None:
+    def _finish_child(self, client: Any, run_id: str, record: Any, logged: Collection[str] | None = None) -> None:
+        """End the child run as ``record`` ended: its params sampled define-by-run inside model_init
+        (those not ``logged`` yet: by default, those this process logged), objective, duration,
+        state."""
         from mlflow.entities import Metric, RunTag
 
-        if params:  # define-by-run params sampled inside model_init
-            late = {k: v for k, v in scrub(record.params).items() if k not in self._logged_params.get(run_id, set())}
-            _log_params(client, run_id, late)
+        logged = self._logged_params.get(run_id, set()) if logged is None else logged
+        _log_params(client, run_id, {k: v for k, v in scrub(record.params).items() if k not in logged})
         metrics = []
         objective = record.objective
         values = objective if isinstance(objective, list) else [objective] if objective is not None else []
