@@ -97,7 +97,8 @@ def objective(trial):
 
 os.makedirs(OUT, exist_ok=True)
 storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{OUT}/study.journal"))
-pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if PRUNER == "median" else optuna.pruners.NopPruner()
+pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if PRUNER == "median"
+          else optuna.pruners.NopPruner())
 study = optuna.create_study(direction="maximize", storage=storage, study_name="hand", pruner=pruner,
                             sampler=optuna.samplers.TPESampler(seed=SEED))
 study.optimize(objective, n_trials=TRIALS)
