@@ -7,6 +7,7 @@ checkpoint. Variants, one after the other in each round (CPU seconds of the proc
 jobs on a shared machine move it less than wall time):
 
 - hand-bare: the hand-written loop (AdamW, linear decay, clipping), no evaluation, no checkpoint;
+- hand-bare-fused: the same with ``AdamW(fused=True)``, the kernel hpsweep's default ``adamw`` uses;
 - hpsweep-bare: ``Trainer.train()`` the same way (``eval_strategy=save_strategy="no"``);
 - hpsweep-bare-wrapped: the same with ``HPSWEEP_ACCELERATE_WRAPPERS=always`` (every accelerate
   wrapper kept, as before this change);
@@ -30,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_overhead import COMMON  # noqa: E402
 
-namespace: dict = {}
+namespace: dict = {"HIDDEN": [64]}  # the 32-64-2 MLP (core_overhead.py --hidden 64)
 exec(COMMON, namespace)  # load() and MLP, as every core_overhead.py variant defines them
 TRAIN, VAL, MLP = namespace["load"]("train"), namespace["load"]("eval"), namespace["MLP"]
 
 
-def hand(out: Path, evaluate_and_save: bool) -> None:
+def hand(out: Path, evaluate_and_save: bool, fused: bool | None = None) -> None:
     torch.manual_seed(42)
     model = MLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     loader = torch.utils.data.DataLoader(TRAIN, batch_size=32, shuffle=True)
     total = 3 * len(loader)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
@@ -75,12 +76,13 @@ def ours(out: Path, evaluate_and_save: bool, wrapped: bool = False) -> None:
 
 VARIANTS = {
     "hand-bare": lambda out: hand(out, False),
+    "hand-bare-fused": lambda out: hand(out, False, fused=True),
     "hpsweep-bare": lambda out: ours(out, False),
     "hpsweep-bare-wrapped": lambda out: ours(out, False, wrapped=True),
     "hand": lambda out: hand(out, True),
     "hpsweep": lambda out: ours(out, True),
 }
-PEERS = {"hpsweep-bare": "hand-bare", "hpsweep-bare-wrapped": "hand-bare", "hpsweep": "hand"}
+PEERS = {"hand-bare-fused": "hand-bare", "hpsweep-bare": "hand-bare", "hpsweep-bare-wrapped": "hand-bare", "hpsweep": "hand"}
 
 
 def main() -> None:

@@ -95,26 +95,63 @@ def test_skipping_accelerates_noop_wrappers_leaves_training_bit_identical(tmp_pa
         assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in b)
 
 
-def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_bit(tmp_path: Path) -> None:
-    def trainer(out: str, two_groups: bool) -> hpsweep.Trainer:
+def test_the_default_adamw_runs_torchs_fused_kernel_and_learns_what_the_default_kernel_learns(tmp_path: Path) -> None:
+    """``optim="adamw"`` (the default) is AdamW(fused=True) where torch has the kernel, as
+    transformers' default ``adamw_torch_fused``; ``adamw_torch`` is torch's default kernel. The two
+    differ by float rounding only."""
+    runs_ = {optim: make_trainer(tmp_path / optim, optim=optim) for optim in ("adamw", "adamw_torch")}
+    for trainer in runs_.values():
+        trainer.train()
+    assert runs_["adamw"].optimizer.param_groups[0]["fused"] is True
+    assert runs_["adamw_torch"].optimizer.param_groups[0]["fused"] is None
+    fused, default = weights(runs_["adamw"]), weights(runs_["adamw_torch"])
+    assert all(torch.allclose(fused[k], default[k], rtol=1e-4, atol=1e-5) for k in default)
+    evals = [[h["eval_accuracy"] for h in t.state.log_history if "eval_accuracy" in h] for t in runs_.values()]
+    assert evals[0] == evals[1] and len(evals[0]) >= 3
+
+
+def test_the_default_adamw_falls_back_to_torchs_kernel_for_params_the_fused_one_cannot_take() -> None:
+    from hpsweep.optim import create_optimizer
+
+    class Complex(nn.Module):  # torch's fused Adam takes floating-point tensors only
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    optimizer = create_optimizer(Complex(), TrainingArguments(output_dir="unused", learning_rate=0.1))
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(4, dtype=torch.complex64)
+    optimizer.step()  # fused=True would raise here
+    assert not optimizer.param_groups[0]["fused"]
+
+
+@pytest.mark.parametrize("fused", [True, None], ids=["fused-kernel", "torch-default-kernel"])
+def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_bit(tmp_path: Path,
+                                                                                    fused: bool | None) -> None:
+    """hpsweep 0.1 made two groups with torch's default AdamW kernel; the default is now one group on
+    the fused kernel. A checkpoint of either resumes under today's defaults exactly: the kernel is
+    part of the optimizer's saved settings."""
+    def trainer(out: str, two_groups: bool, optim: str = "adamw") -> hpsweep.Trainer:
         torch.manual_seed(0)
         model = Net()
         groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.0},
                   {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=3e-2) if two_groups else None  # as hpsweep 0.1 built it
+        optimizer = torch.optim.AdamW(groups, lr=3e-2, fused=fused) if two_groups else None  # as hpsweep 0.1 built it
         args = TrainingArguments(output_dir=str(tmp_path / out), num_train_epochs=2, per_device_train_batch_size=16,
                                  learning_rate=3e-2, disable_progress=True, save_strategy="steps", save_steps=5,
-                                 eval_strategy="no")
+                                 eval_strategy="no", optim=optim)
         return hpsweep.Trainer(model=model, args=args, train_dataset=Data(200, 1), optimizers=(optimizer, None))
 
-    one, two, resumed = trainer("one", two_groups=False), trainer("two", two_groups=True), trainer("r", False)
+    one = trainer("one", two_groups=False, optim="adamw" if fused else "adamw_torch")
+    two, resumed = trainer("two", two_groups=True), trainer("r", False)
     one.train()
     two.train()
     assert len(one.optimizer.param_groups) == 1 and len(two.optimizer.param_groups) == 2
+    assert one.optimizer.param_groups[0]["fused"] is fused
     expected = weights(two)
     assert all(torch.equal(expected[k], weights(one)[k]) for k in expected)
     # A checkpoint of the two groups (a sweep cut short before the upgrade) resumes in one, exactly.
     resumed.train(resume_from_checkpoint=str(tmp_path / "two" / "checkpoint-10"))
+    assert resumed.optimizer.param_groups[0]["fused"] is fused
     assert all(torch.equal(expected[k], weights(resumed)[k]) for k in expected)
 
 
