@@ -118,12 +118,14 @@ def dataset(task: Task, part: str) -> Any:
     return _LOADED[task.name, part]
 
 
-def hand_train(task: Task, params: dict, report: Callable[[int, float], bool]) -> float | None:
+def hand_train(task: Task, params: dict, report: Callable[[int, float], bool],
+               fused: bool | None = None) -> float | None:
     """The loop a careful user writes: AdamW, linear decay, clipping, evaluation every epoch.
-    ``report(epoch, accuracy)`` returns True to stop (pruned); returns the final accuracy or None."""
+    ``report(epoch, accuracy)`` returns True to stop (pruned); returns the final accuracy or None.
+    ``fused``: AdamW's ``fused`` argument (torch's default kernel unless set)."""
     torch.manual_seed(42)
     model = task.build(params)
-    opt = torch.optim.AdamW(model.parameters(), lr=params["learning_rate"], weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=params["learning_rate"], weight_decay=0.0, fused=fused)
     loader = torch.utils.data.DataLoader(dataset(task, "train"), batch_size=params["per_device_train_batch_size"],
                                          shuffle=True)
     epochs = params["num_train_epochs"]
