@@ -85,6 +85,20 @@ VARIANTS = {
 PEERS = {"hand-bare-fused": "hand-bare", "hpsweep-bare": "hand-bare", "hpsweep-bare-wrapped": "hand-bare", "hpsweep": "hand"}
 
 
+def optimizer_step_us(fused: bool | None, steps: int = 2000) -> float:
+    """CPU µs of one ``AdamW.step()`` alone on the MLP's gradients (torch's default kernel, or fused)."""
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    x, y = TRAIN.tensors[0][:32], TRAIN.tensors[1][:32]
+    model(x, y)["loss"].backward()
+    for _ in range(20):
+        opt.step()
+    start = time.process_time()
+    for _ in range(steps):
+        opt.step()
+    return 1e6 * (time.process_time() - start) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
@@ -113,6 +127,9 @@ def main() -> None:
     print(f"\nskipping accelerate's no-op wrappers: {1e6 * saved / steps:.0f} us of "
           f"{1e6 * statistics.median(cpu['hpsweep-bare-wrapped']) / steps:.0f} us per step "
           f"({statistics.median(b / w for w, b in zip(cpu['hpsweep-bare-wrapped'], cpu['hpsweep-bare'])):.3f}x)")
+    alone = {k: statistics.median(optimizer_step_us(k) for _ in range(ns.rounds)) for k in (None, True)}
+    print(f"AdamW.step() alone: {alone[None]:.0f} us with torch's default kernel, {alone[True]:.0f} us fused "
+          f"({alone[True] / alone[None]:.2f}x)")
     print(f"reproduce: python bench/step_overhead.py --rounds {ns.rounds}")
 
 
