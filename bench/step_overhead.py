@@ -82,7 +82,8 @@ VARIANTS = {
     "hand": lambda out: hand(out, True),
     "hpsweep": lambda out: ours(out, True),
 }
-PEERS = {"hand-bare-fused": "hand-bare", "hpsweep-bare": "hand-bare", "hpsweep-bare-wrapped": "hand-bare", "hpsweep": "hand"}
+PEERS = {"hand-bare-fused": "hand-bare", "hpsweep-bare": "hand-bare", "hpsweep-bare-wrapped": "hand-bare",
+         "hpsweep": "hand"}
 
 
 def optimizer_step_us(fused: bool | None, steps: int = 2000) -> float:
