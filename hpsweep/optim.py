@@ -50,7 +50,7 @@ def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.o
         kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     elif cls_name in ("SGD", "RMSprop"):
         kwargs["momentum"] = args.momentum
-    if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and _fusable(g["params"] for g in groups)):
+    if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and _fusable(decay + no_decay)):
         kwargs["fused"] = True
     return getattr(torch.optim, cls_name)(groups, **kwargs)
 
@@ -59,10 +59,9 @@ def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.o
 _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu")
 
 
-def _fusable(groups: Any) -> bool:
+def _fusable(params: list[torch.Tensor]) -> bool:
     """Every param a plain floating-point tensor on a device with fused kernels: what torch checks
     at the first step of a ``fused=True`` optimizer."""
-    params = [p for group in groups for p in group]
     return bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and torch.is_floating_point(p)
                                 and p.device.type in _FUSED_DEVICES for p in params)
 

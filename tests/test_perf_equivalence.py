@@ -135,7 +135,8 @@ def test_one_param_group_without_weight_decay_trains_as_the_two_groups_bit_for_b
         model = Net()
         groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.0},
                   {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=3e-2, fused=fused) if two_groups else None  # as hpsweep 0.1 built it
+        # as hpsweep 0.1 built it (its kernel: torch's default)
+        optimizer = torch.optim.AdamW(groups, lr=3e-2, fused=fused) if two_groups else None
         args = TrainingArguments(output_dir=str(tmp_path / out), num_train_epochs=2, per_device_train_batch_size=16,
                                  learning_rate=3e-2, disable_progress=True, save_strategy="steps", save_steps=5,
                                  eval_strategy="no", optim=optim)
