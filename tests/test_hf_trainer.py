@@ -181,6 +181,9 @@ class BagOfWords(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.EmbeddingBag(len(WORDS), 2, mode="sum")
+        # Zeros, not the global RNG: random starts learned the task in 3 epochs for half the seeds,
+        # so the test passed or failed by which tests had drawn random numbers before it.
+        nn.init.zeros_(self.emb.weight)
 
     def forward(self, input_ids, attention_mask, labels):
         logits = self.emb(input_ids, per_sample_weights=attention_mask.float())
