@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import TrainingArguments
-from .callbacks import (EarlyStoppingCallback, EvalPrediction, MetricCallback, ProgressCallback, TrainerCallback,
-                        TrainerControl, TrainerState)
+from .callbacks import (EarlyStoppingCallback, EvalPrediction, MetricCallback, PredictionOutput, ProgressCallback,
+                        TrainerCallback, TrainerControl, TrainerState)
 from .errors import TrialPruned, UserError
 from .runs import BestRun, TrialRecord
 from .space import Categorical, Float, Int
@@ -28,5 +28,5 @@ def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used
 
 
 __all__ = ["BestRun", "Categorical", "EarlyStoppingCallback", "EvalPrediction", "Float", "Int", "MetricCallback",
-           "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState",
+           "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState",
            "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError", "run"]

@@ -24,6 +24,7 @@ EVENTS = (
     "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_before_backward",
     "on_after_backward", "on_before_optimizer_step", "on_optimizer_step", "on_substep_end",
     "on_step_end", "on_evaluate", "on_save", "on_log", "on_epoch_end", "on_exception", "on_train_end",
+    "on_predict",
 )
 
 
@@ -32,6 +33,15 @@ class EvalPrediction(NamedTuple):
 
     predictions: Any
     label_ids: Any
+
+
+class PredictionOutput(NamedTuple):
+    """What ``Trainer.predict`` returns, as transformers' does: the predictions, the labels (None
+    when the dataset has none) and the metrics (``test_*``)."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
 
 
 @dataclass

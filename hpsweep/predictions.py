@@ -137,11 +137,13 @@ class PredictionCollector:
         self.inputs: list[Any] = []
         self.losses: list[Any] = []
 
-    def add(self, batch: Any, labels: Any, loss: torch.Tensor, size: int, outputs: Any) -> None:
+    def add(self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, outputs: Any) -> None:
+        """One batch; ``loss`` None for a batch without labels, whose outputs carry no loss."""
         if not self.enabled:
             return
         acc = self.accelerator
-        logits = predictions_of(outputs, loss_inside=self.loss_inside, ignore_keys=self.ignore_keys)
+        logits = predictions_of(outputs, loss_inside=self.loss_inside and loss is not None,
+                                ignore_keys=self.ignore_keys)
         if logits is not None:
             if self.preprocess is not None:
                 logits = self.preprocess(logits, labels)
@@ -150,7 +152,7 @@ class PredictionCollector:
             self.labels.append(gather(acc, labels))
         if "inputs" in self.include:
             self.inputs.append(gather(acc, main_input(batch, self.model)))
-        if "loss" in self.include:
+        if "loss" in self.include and loss is not None:
             self.losses.append(gather(acc, loss.detach().reshape(1).repeat(size)))
 
     def result(self) -> HFEvalPrediction | None:
@@ -162,8 +164,12 @@ class PredictionCollector:
 
 
 def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
-                    precision: Any) -> float:
-    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile."""
+                    precision: Any, *, unlabelled: bool = False) -> float | None:
+    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile.
+
+    ``unlabelled`` (prediction): a batch without labels goes through the model for its predictions
+    alone, as transformers' ``predict`` takes a test set without labels; the loss is None when no
+    batch had labels. Otherwise every batch must give a loss (`Trainer.compute_loss`)."""
     total, count = None, 0
     was_training = model.training
     model.eval()
@@ -171,6 +177,9 @@ def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any
         with torch.no_grad(), precision:
             for batch in dataloader:
                 labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
+                if labels is None and unlabelled:
+                    collector.add(batch, None, None, batch_size(batch), call_model(model, batch))
+                    continue
                 loss, outputs = compute_loss(model, batch, return_outputs=True)
                 size = batch_size(batch)
                 if collector.accelerator.num_processes > 1:
@@ -187,7 +196,9 @@ def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any
                 collector.add(batch, labels, loss, size, outputs)
     finally:
         model.train(was_training)
-    return float(total) / max(count, 1) if total is not None else 0.0
+    if total is None:
+        return None if unlabelled else 0.0
+    return float(total) / max(count, 1)
 
 
 def full_eval_precision(args: Any, device: torch.device) -> Any:
@@ -196,8 +207,8 @@ def full_eval_precision(args: Any, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any) -> dict[str, float]:
-    """``compute_metrics(prediction)`` as ``eval_*`` floats; a wrong use is one `UserError`."""
+def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any, prefix: str = "eval") -> dict[str, float]:
+    """``compute_metrics(prediction)`` as ``<prefix>_*`` floats; a wrong use is one `UserError`."""
     if prediction is None:
         raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
                         "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
@@ -205,4 +216,4 @@ def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any) -> 
     if not isinstance(computed, Mapping):
         raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
                         "float, e.g. {'accuracy': 0.9}")
-    return {key if key.startswith("eval_") else f"eval_{key}": float(value) for key, value in computed.items()}
+    return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": float(value) for key, value in computed.items()}

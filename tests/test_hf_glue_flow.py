@@ -97,3 +97,23 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
             labels = batch.pop("labels")
             right += int((model(**batch).logits.argmax(-1) == labels).sum())
     assert right / len(features) == summary["objective"] == best_run.objective
+
+    # Then the rest of transformers' recipe: train with the best hyperparameters and predict on a
+    # test split without labels (run_glue.py removes the label column before `predict`).
+    for name, value in best_run.hyperparameters.items():
+        setattr(trainer.args, name, value)
+    trainer.args.output_dir = str(tmp_path / "final")
+    assert trainer.train().metrics["eval_accuracy"] == best_run.objective  # the best trial, trained again
+    test = sentences(48, seed=3).map(preprocess_function, batched=True)
+    blind = trainer.predict(test.remove_columns("label"))
+    assert blind.label_ids is None and blind.metrics == {}
+    features = test.remove_columns(["text", "label"])
+    with torch.no_grad():  # the logits the trained model gives, batch by batch
+        logits = torch.cat([trainer.model.eval()(**collator([features[i] for i in range(s, min(s + 32, 48))])).logits
+                            for s in range(0, 48, 32)])
+    assert blind.predictions.shape == (48, 2) and np.allclose(blind.predictions, logits.numpy(), atol=1e-5)
+    labelled = trainer.predict(test)
+    assert np.allclose(blind.predictions, labelled.predictions)
+    assert np.array_equal(labelled.label_ids, test["label"])
+    accuracy = float((blind.predictions.argmax(-1) == np.array(test["label"])).mean())
+    assert labelled.metrics["test_accuracy"] == accuracy and labelled.metrics["test_loss"] > 0

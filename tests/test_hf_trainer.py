@@ -163,6 +163,87 @@ def test_include_for_metrics_hands_over_inputs_and_losses(tmp_path: Path) -> Non
     assert seen["inputs"].shape == (40, 8) and seen["losses"].shape == (40,)
 
 
+
+# --- predict -------------------------------------------------------------------------------------
+
+def test_predict_returns_what_the_model_predicts_with_labels_and_test_metrics(tmp_path: Path) -> None:
+    class Events(hpsweep.TrainerCallback):
+        seen: list = []
+
+        def on_evaluate(self, args, state, control, metrics, **kwargs):
+            self.seen.append(("evaluate", sorted(metrics)))
+
+        def on_predict(self, args, state, control, metrics, **kwargs):
+            self.seen.append(("predict", sorted(metrics)))
+
+    test = rows(50, 4)  # not a multiple of the batch size (32)
+    x, y = torch.stack([r["x"] for r in test]), torch.tensor([r["labels"] for r in test])
+    for kind in ("tuple", "model_output", "dict"):
+        Events.seen = []
+        trainer = hpsweep.Trainer(model_init=lambda kind=kind: Net(kind), args=args(tmp_path / kind),
+                                  train_dataset=rows(96, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy,
+                                  callbacks=[Events()])
+        trainer.train()
+        history, evaluations = list(trainer.state.log_history), trainer.state.num_evaluations
+        out = trainer.predict(test)
+        predictions, label_ids, metrics = out  # a 3-tuple, as transformers' PredictionOutput
+        assert isinstance(out, hpsweep.PredictionOutput)
+        with torch.no_grad():
+            expected = trainer.model.eval().net(x).numpy()
+        assert predictions.shape == (50, 4) and np.allclose(predictions, expected, atol=1e-6)
+        assert np.array_equal(label_ids, y.numpy())
+        assert set(metrics) == {"test_loss", "test_accuracy"}
+        assert metrics["test_accuracy"] == float((expected.argmax(-1) == y.numpy()).mean())
+        # the same numbers evaluate gives under that prefix; predicting is no evaluation to prune on
+        assert Events.seen[-1] == ("predict", ["test_accuracy", "test_loss"])
+        assert trainer.state.log_history == history and trainer.state.num_evaluations == evaluations
+        assert trainer.evaluate(test, metric_key_prefix="test") == pytest.approx(metrics)
+        assert Events.seen[-1] == ("evaluate", ["test_accuracy", "test_loss"])
+
+
+def test_predict_on_a_test_set_without_labels(tmp_path: Path) -> None:
+    class Optional(Net):  # transformers' models: no labels, no loss
+        def forward(self, x, labels=None):
+            if labels is not None:
+                return super().forward(x, labels)
+            logits = self.net(x)
+            from transformers.modeling_outputs import SequenceClassifierOutput
+
+            return (logits,) if self.kind == "tuple" else SequenceClassifierOutput(logits=logits)
+
+    labelled = rows(40, 5)
+    unlabelled = [{"x": r["x"]} for r in labelled]
+    for kind in ("tuple", "model_output"):
+        trainer = hpsweep.Trainer(model=Optional(kind), args=args(tmp_path / kind, eval_strategy="no"),
+                                  train_dataset=rows(96, 1), compute_metrics=accuracy)
+        trainer.train()
+        blind = trainer.predict(unlabelled)
+        assert blind.label_ids is None and blind.metrics == {}  # no loss, and compute_metrics needs labels
+        assert np.allclose(blind.predictions, trainer.predict(labelled).predictions)
+        # a plain tensor dataset of inputs only, as a test split often is
+        inputs = torch.utils.data.TensorDataset(torch.stack([r["x"] for r in labelled]))
+        assert np.allclose(trainer.predict(inputs).predictions, blind.predictions)
+
+
+def test_predict_with_two_outputs_and_two_label_names(tmp_path: Path) -> None:
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x, labels, labels_2):
+            y = self.lin(x).squeeze(-1)
+            return nn.functional.mse_loss(y, labels) + nn.functional.mse_loss(2 * y, labels_2), y, 2 * y
+
+    data = [{"x": r["x"], "labels": float(r["x"].sum()), "labels_2": float(2 * r["x"].sum())} for r in rows(40, 6)]
+    trainer = hpsweep.Trainer(model=TwoHeads(), args=args(tmp_path, label_names=["labels", "labels_2"],
+                                                          eval_strategy="no"), train_dataset=data)
+    predictions, label_ids, metrics = trainer.predict(data)
+    assert len(predictions) == 2 and np.allclose(predictions[1], 2 * predictions[0])
+    assert np.allclose(label_ids[0], [d["labels"] for d in data], atol=1e-5)
+    assert np.allclose(label_ids[1], [d["labels_2"] for d in data], atol=1e-5)
+    assert set(metrics) == {"test_loss"} and metrics["test_loss"] > 0
+
 # --- datasets and tokenizers ---------------------------------------------------------------------
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "good", "bad", "film", "very", "the"]

@@ -85,7 +85,7 @@ def test_train_fires_every_event_and_steps_follow_the_arguments(tmp_path: Path) 
     assert rec.events.count("on_step_end") == out.global_step
     assert rec.events.count("on_substep_end") == 3 * 7 - out.global_step
     assert rec.events.count("on_evaluate") == 3 and rec.events.count("on_save") == 3
-    assert set(hpsweep.callbacks.EVENTS) - {"on_exception"} <= set(rec.events)
+    assert set(hpsweep.callbacks.EVENTS) - {"on_exception", "on_predict"} <= set(rec.events)
     assert rec.events[:2] == ["on_init_end", "on_train_begin"] and rec.events[-1] == "on_train_end"
     assert out.metrics["eval_accuracy"] > 0.5
 
