@@ -1,6 +1,8 @@
 """Glue for users of Hugging Face ``transformers``: their ``TrainingArguments`` instances, and the
 Trainer arguments that travel with a model (``processing_class``, ``preprocess_logits_for_metrics``,
-``compute_loss_func``). transformers is imported only when one of these is used.
+``compute_loss_func``), and the Trainer's reporting conveniences (``log_metrics``,
+``save_metrics``, ``save_state``). Nothing here imports transformers before a transformers object
+is handed over.
 
     >>> args = as_training_arguments(transformers.TrainingArguments("out", learning_rate=1e-3))
     >>> args.learning_rate, type(args).__module__
@@ -9,8 +11,11 @@ Trainer arguments that travel with a model (``processing_class``, ``preprocess_l
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
-from collections.abc import Callable
+import json
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +169,70 @@ def default_collator(processing_class: Any) -> Callable[[list], Any] | None:
     if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
         return DataCollatorWithPadding(processing_class)
     return None
+
+
+# --- transformers' reporting conveniences -----------------------------------------------------------
+# run_glue.py-style scripts end a run with these. They are `Trainer` methods, bound in its class
+# body as transformers binds its own (from trainer_pt_utils), and read only args, state and metrics.
+
+def is_world_process_zero(self: Any) -> bool:
+    """Whether this process reports for the run: the only one, or the first of a data-parallel trial."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def is_local_process_zero(self: Any) -> bool:
+    """Whether this process is the first on its machine."""
+    from accelerate import PartialState
+
+    return PartialState().is_local_main_process
+
+
+def log_metrics(self: Any, split: str, metrics: Mapping[str, Any]) -> None:
+    """Print ``metrics`` under ``***** <split> metrics *****``, one aligned line each, in
+    transformers' format: floats to 4 decimals, ``*_runtime`` as h:mm:ss.cc."""
+    if not self.is_world_process_zero():
+        return
+    shown = {key: _shown(key, value) for key, value in metrics.items()}
+    key_width = max((len(str(k)) for k in shown), default=0)
+    value_width = max((len(str(v)) for v in shown.values()), default=0)
+    print(f"***** {split} metrics *****")
+    for key in sorted(shown):
+        print(f"  {key: <{key_width}} = {shown[key]:>{value_width}}")
+
+
+def _shown(key: str, value: Any) -> Any:
+    if "_runtime" in key and isinstance(value, (int, float)):
+        return f"{datetime.timedelta(seconds=int(value))}.{int(abs(value - int(value)) * 100):02d}"
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def save_metrics(self: Any, split: str, metrics: Mapping[str, Any], combined: bool = True) -> None:
+    """Write ``<output_dir>/<split>_results.json`` and, with ``combined``, merge the same metrics into
+    ``all_results.json``, as transformers does; each file is written whole or not at all."""
+    if not self.is_world_process_zero():
+        return
+    from .runs import read_json, write_text
+
+    folder = Path(self.args.output_dir)
+    write_text(folder / f"{split}_results.json", json.dumps(dict(metrics), indent=4, sort_keys=True))
+    if combined:
+        merged = {**read_json(folder / "all_results.json"), **metrics}
+        write_text(folder / "all_results.json", json.dumps(merged, indent=4, sort_keys=True))
+
+
+def save_state(self: Any) -> None:
+    """Write the trainer state to ``<output_dir>/trainer_state.json`` (what every checkpoint holds)."""
+    if not self.is_world_process_zero():
+        return
+    from .runs import write_json
+
+    write_json(Path(self.args.output_dir) / "trainer_state.json", self.state.to_dict())
+
+
+def speed_metrics(split: str, started: float, *, steps: int, samples: int) -> dict[str, float]:
+    """transformers' ``<split>_runtime``, ``_samples_per_second`` and ``_steps_per_second`` since ``started``."""
+    runtime = max(time.time() - started, 1e-9)
+    return {f"{split}_runtime": round(runtime, 4), f"{split}_samples_per_second": round(samples / runtime, 3),
+            f"{split}_steps_per_second": round(steps / runtime, 3)}

@@ -11,6 +11,7 @@ precision are configuration (``args.mixed_precision``, ``args.use_cpu``), not br
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,7 +37,7 @@ from .accel import make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
                    remove_unused_columns, resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
-from .hf import as_training_arguments, default_collator, save_processing_class, trainer_components
+from .hf import as_training_arguments, default_collator, save_processing_class, speed_metrics, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
@@ -46,6 +47,10 @@ from .steps import step_ops
 
 
 class TrainOutput(NamedTuple):
+    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``,
+    ``train_samples_per_second``, ``train_steps_per_second``, ``train_loss`` and ``epoch``, and
+    the ``eval_*`` metrics of the last evaluation (of the best one after ``load_best_model_at_end``)."""
+
     global_step: int
     training_loss: float
     metrics: dict[str, float]
@@ -118,6 +123,9 @@ class Trainer:
     def compute_loss_func(self) -> Callable[..., Any] | None:
         return self._components.compute_loss_func
 
+    # transformers' reporting conveniences, bound as transformers binds its own (hpsweep/hf.py)
+    from .hf import is_local_process_zero, is_world_process_zero, log_metrics, save_metrics, save_state
+
     def _default_callbacks(self) -> list[TrainerCallback]:
         return [] if self.args.disable_progress else [ProgressCallback()]
 
@@ -157,7 +165,7 @@ class Trainer:
         With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
         Checkpoints are written in the background; every one is on disk when this returns.
         """
-        args = self.args
+        args, started = self.args, time.time()
         _set_seed(args.seed)
         if self.model_init is not None:
             self.model = self.call_model_init(trial)
@@ -197,7 +205,8 @@ class Trainer:
         handler = self._handler
         handler.fire("on_train_begin", args, state, control)
 
-        epochs_done, skip_steps = divmod(state.global_step, steps_per_epoch)
+        first_step = state.global_step
+        epochs_done, skip_steps = divmod(first_step, steps_per_epoch)
         batches_per_epoch = len(train_dl)
         accumulation = args.gradient_accumulation_steps
         running_loss = torch.zeros((), device=acc.device)
@@ -266,8 +275,12 @@ class Trainer:
             runs.load_weights(acc.unwrap_model(model), Path(state.best_model_checkpoint))
         handler.fire("on_train_end", args, state, control)
         losses = [h["loss"] for h in state.log_history if "loss" in h]
-        return TrainOutput(state.global_step, float(np.mean(losses)) if losses else float("nan"),
-                           self.last_eval_metrics())
+        loss = float(np.mean(losses)) if losses else float("nan")
+        steps = state.global_step - first_step
+        speed = speed_metrics("train", started, steps=steps,
+                              samples=steps * args.per_device_train_batch_size * accumulation * acc.num_processes)
+        return TrainOutput(state.global_step, loss,
+                           {**speed, "train_loss": loss, "epoch": state.epoch, **self.last_eval_metrics()})
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
@@ -433,9 +446,10 @@ class Trainer:
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
         return final
 
-    def save_model(self, output_dir: str | Path) -> None:
-        """Weights only (safetensors, plus config.json for Hugging Face models) and the processing class."""
-        output_dir = Path(output_dir)
+    def save_model(self, output_dir: str | Path | None = None) -> None:
+        """Weights only (safetensors, plus config.json for Hugging Face models) and the processing
+        class, in ``output_dir`` (``args.output_dir`` by default, as in transformers)."""
+        output_dir = Path(output_dir if output_dir is not None else self.args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         model = self.accelerator.unwrap_model(self.model_wrapped) if hasattr(self, "accelerator") else self.model
         runs.save_weights(model, output_dir)

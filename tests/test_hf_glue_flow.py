@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import datasets
@@ -102,8 +103,36 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     # test split without labels (run_glue.py removes the label column before `predict`).
     for name, value in best_run.hyperparameters.items():
         setattr(trainer.args, name, value)
-    trainer.args.output_dir = str(tmp_path / "final")
-    assert trainer.train().metrics["eval_accuracy"] == best_run.objective  # the best trial, trained again
+    final = tmp_path / "final"
+    trainer.args.output_dir = str(final)
+    train_result = trainer.train()
+    assert train_result.metrics["eval_accuracy"] == best_run.objective  # the best trial, trained again
+
+    # run_glue.py's reporting, as it is written there
+    metrics = train_result.metrics
+    metrics["train_samples"] = len(train_dataset)
+    trainer.save_model()  # saves the tokenizer too
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    eval_metrics = trainer.evaluate()
+    eval_metrics["eval_samples"] = len(eval_dataset)
+    trainer.log_metrics("eval", eval_metrics)
+    trainer.save_metrics("eval", eval_metrics)
+
+    printed = capsys.readouterr().out
+    assert "***** train metrics *****" in printed and "***** eval metrics *****" in printed
+    assert re.search(r"^  train_samples +=  +160$", printed, re.M)  # aligned, as transformers prints it
+    assert re.search(r"^  train_runtime += +0:00:\d\d\.\d\d$", printed, re.M)  # h:mm:ss.cc
+    assert metrics["train_loss"] == train_result.training_loss and metrics["epoch"] == 3.0
+    assert metrics["train_steps_per_second"] > 0 and metrics["train_runtime"] > 0
+    assert AutoModelForSequenceClassification.from_pretrained(final) is not None
+    assert AutoTokenizer.from_pretrained(final)("good film")["input_ids"] == tokenizer("good film")["input_ids"]
+    assert json.loads((final / "train_results.json").read_text())["train_samples"] == 160
+    assert json.loads((final / "all_results.json").read_text()) == {**metrics, **eval_metrics}
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["global_step"] == train_result.global_step
+    assert [h["eval_accuracy"] for h in state["log_history"] if "eval_accuracy" in h][-1] == best_run.objective
     test = sentences(48, seed=3).map(preprocess_function, batched=True)
     blind = trainer.predict(test.remove_columns("label"))
     assert blind.label_ids is None and blind.metrics == {}

@@ -116,6 +116,23 @@ def test_save_total_limit_rotates_but_keeps_the_best(tmp_path: Path) -> None:
     assert trainer.state.best_metric == min(h["eval_loss"] for h in evals)
 
 
+
+def test_train_reports_transformers_train_metrics_and_saves_metric_files(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, num_train_epochs=2, gradient_accumulation_steps=2)
+    out = trainer.train()
+    metrics = out.metrics
+    assert metrics["train_loss"] == out.training_loss and metrics["epoch"] == 2.0
+    assert metrics["eval_accuracy"] == trainer.state.eval_metrics()["eval_accuracy"]
+    # 32 samples a batch, 2 batches an optimizer step
+    assert metrics["train_samples_per_second"] / metrics["train_steps_per_second"] == pytest.approx(64, rel=0.01)
+    trainer.save_metrics("train", metrics, combined=False)
+    assert json.loads((tmp_path / "train_results.json").read_text()) == metrics
+    assert not (tmp_path / "all_results.json").exists()
+    trainer.save_metrics("eval", {"eval_a": 1.0})
+    trainer.save_metrics("test", {"test_b": 2})
+    assert json.loads((tmp_path / "all_results.json").read_text()) == {"eval_a": 1.0, "test_b": 2}
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
+
 def test_load_best_model_at_end_restores_the_best_weights(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, num_train_epochs=5, learning_rate=0.5, load_best_model_at_end=True,
                            metric_for_best_model="eval_accuracy", greater_is_better=True)
