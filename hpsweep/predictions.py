@@ -8,7 +8,6 @@ array, or a tuple of arrays when there are several, as transformers passes them 
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,8 +15,6 @@ import numpy as np
 import torch
 
 from .callbacks import EvalPrediction
-from .data import batch_labels, batch_size
-from .errors import UserError
 
 
 class HFEvalPrediction(EvalPrediction):
@@ -161,59 +158,3 @@ class PredictionCollector:
         return HFEvalPrediction(concat(self.preds), concat(self.labels) if self.labels else None,
                                 inputs=concat(self.inputs) if self.inputs else None,
                                 losses=concat(self.losses) if self.losses else None)
-
-
-def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
-                    precision: Any, *, unlabelled: bool = False) -> float | None:
-    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile.
-
-    ``unlabelled`` (prediction): a batch without labels goes through the model for its predictions
-    alone, as transformers' ``predict`` takes a test set without labels; the loss is None when no
-    batch had labels. Otherwise every batch must give a loss (`Trainer.compute_loss`)."""
-    total, count = None, 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), precision:
-            for batch in dataloader:
-                labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
-                if labels is None and unlabelled:
-                    collector.add(batch, None, None, batch_size(batch), call_model(model, batch))
-                    continue
-                loss, outputs = compute_loss(model, batch, return_outputs=True)
-                size = batch_size(batch)
-                if collector.accelerator.num_processes > 1:
-                    # Every process's batch, without the samples accelerate repeats to even out the last ones.
-                    losses = collector.accelerator.gather_for_metrics(loss.detach().double().repeat(size))
-                    loss, size = losses.mean(), losses.numel()
-                # Summed on the device and read once: float(loss) per batch would wait for the device
-                # each time. float64 as Python's float was (MPS has none).
-                if total is None:
-                    total = torch.zeros((), dtype=torch.float32 if loss.device.type == "mps" else torch.float64,
-                                        device=loss.device)
-                total += loss.detach().to(total.dtype) * size
-                count += size
-                collector.add(batch, labels, loss, size, outputs)
-    finally:
-        model.train(was_training)
-    if total is None:
-        return None if unlabelled else 0.0
-    return float(total) / max(count, 1)
-
-
-def full_eval_precision(args: Any, device: torch.device) -> Any:
-    """``fp16_full_eval`` / ``bf16_full_eval``: evaluation runs under autocast in that precision."""
-    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any, prefix: str = "eval") -> dict[str, float]:
-    """``compute_metrics(prediction)`` as ``<prefix>_*`` floats; a wrong use is one `UserError`."""
-    if prediction is None:
-        raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
-                        "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
-    computed = compute_metrics(prediction)
-    if not isinstance(computed, Mapping):
-        raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
-                        "float, e.g. {'accuracy': 0.9}")
-    return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": float(value) for key, value in computed.items()}

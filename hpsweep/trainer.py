@@ -25,7 +25,6 @@ from .arguments import TrainingArguments
 from .callbacks import (
     CallbackHandler,
     EvalPrediction,
-    PredictionOutput,
     ProgressCallback,
     TrainerCallback,
     TrainerControl,
@@ -34,15 +33,15 @@ from .callbacks import (
     flow_on_step,
 )
 from .accel import make_accelerator
-from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, label_names_for,
-                   remove_unused_columns, resolve_dataset, signature_columns, split_labels)
+from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
+                   resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
 from .hf import as_training_arguments, default_collator, save_processing_class, speed_metrics, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
-from .predictions import (PredictionCollector, call_model, computed_metrics, describe, evaluation_loop,
-                          full_eval_precision, ignore_keys_for, loss_of)
+from .evaluation import Evaluation
+from .predictions import call_model, describe, loss_of
 from .steps import step_ops
 
 
@@ -56,7 +55,7 @@ class TrainOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-class Trainer:
+class Trainer(Evaluation):
     """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
 
     The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
@@ -342,79 +341,6 @@ class Trainer:
                             "compute_loss_func=")
         loss = loss.reshape(())
         return (loss, outputs) if return_outputs else loss
-
-    # --- evaluation ---------------------------------------------------------------------------------
-
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics
-        (``<metric_key_prefix>_*``), and logs them to ``on_evaluate`` callbacks: a trial's pruner.
-
-        ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
-        (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise UserError("no eval_dataset to evaluate on; give the Trainer an eval_dataset, or set "
-                            "eval_strategy='no' and an objective that needs no evaluation")
-        metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
-        self.state.num_evaluations += 1
-        self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
-                           eval_prediction=prediction)
-        self.state.log_history.append({**metrics, "epoch": round(self.state.epoch, 4), "step": self.state.global_step})
-        return metrics
-
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
-        """The model's predictions on ``test_dataset``, as transformers' ``predict`` returns them:
-        ``PredictionOutput(predictions, label_ids, metrics)``. The dataset may lack labels (then
-        ``label_ids`` is None, and the metrics hold neither a loss nor ``compute_metrics``'s).
-        Callbacks get ``on_predict``, not ``on_evaluate``: no pruner or early stop reads it."""
-        metrics, prediction = self._evaluation(test_dataset, ignore_keys, metric_key_prefix, predicting=True)
-        self._handler.fire("on_predict", self.args, self.state, self.control, metrics=metrics)
-        if prediction is None:
-            return PredictionOutput(None, None, metrics)
-        return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
-
-    def _evaluation(self, dataset: Any, ignore_keys: list[str] | None, prefix: str,
-                    predicting: bool) -> tuple[dict[str, float], Any]:
-        """One pass over ``dataset`` without gradients: its ``<prefix>_*`` metrics and the gathered
-        predictions (None when nobody needs them)."""
-        acc = getattr(self, "accelerator", None) or make_accelerator(self.args)
-        self.accelerator = acc
-        if getattr(self, "model_wrapped", None) is None:
-            if self.model is None:
-                self.model = self.call_model_init(None)
-            self.model_wrapped = acc.prepare(self.model)
-        model = self.model_wrapped
-        # One prepared loader per dataset and training run: building and preparing it anew cost
-        # every evaluation more than a small model's forward passes (and grew accelerate's list).
-        loaders = self.__dict__.setdefault("_eval_loaders", {})
-        key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
-        if key not in loaders:
-            loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
-                                                                  shuffle=False)))
-        dl = loaders[key][1]
-        if hasattr(dl, "set_epoch"):
-            dl.set_epoch(0)  # every evaluation reads the data as the first one did
-        unwrapped = acc.unwrap_model(model)
-        collector = PredictionCollector(
-            acc, model=unwrapped,
-            enabled=predicting or self.compute_metrics is not None or self._handler.needs_predictions(),
-            label_names=label_names_for(unwrapped, self.args.label_names), loss_inside=self.compute_loss_func is None,
-            ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped),
-            preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
-        loss = evaluation_loop(model, dl, self.compute_loss, collector, full_eval_precision(self.args, acc.device),
-                               unlabelled=predicting)
-        metrics = {f"{prefix}_loss": loss} if loss is not None else {}
-        prediction = collector.result()
-        # transformers' predict computes no metrics without labels; an evaluation needs them
-        if self.compute_metrics is not None and not (predicting and (prediction is None or prediction.label_ids is None)):
-            metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
-        return metrics, prediction
-
-    def last_eval_metrics(self) -> dict[str, float]:
-        """The metrics of the latest evaluation (of the best one after ``load_best_model_at_end``)."""
-        return self.state.eval_metrics(best=self.args.load_best_model_at_end)
 
     # --- checkpoints -------------------------------------------------------------------------------
 

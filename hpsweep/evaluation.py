@@ -1,0 +1,154 @@
+"""Evaluation and prediction: a pass over a dataset without gradients, gathering its loss,
+predictions and metrics, and the `Trainer` methods built on it (`evaluate`, `predict`).
+
+`Evaluation` is a mixin of `Trainer` (as transformers' models take ``generate`` from
+``GenerationMixin``): it reads the trainer's ``args``, ``state``, model, callbacks and metric
+functions, and keeps the training loop's module to the loop.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .accel import make_accelerator
+from .callbacks import PredictionOutput
+from .data import batch_labels, batch_size, label_names_for
+from .errors import UserError
+from .predictions import PredictionCollector, call_model, ignore_keys_for
+
+
+class Evaluation:
+    """`Trainer.evaluate` and `Trainer.predict`, and the pass they share. The trainer provides
+    ``args``, ``state``, ``control``, the model (``model``, ``model_wrapped``, ``model_init``),
+    ``compute_loss``, ``compute_metrics``, ``preprocess_logits_for_metrics``,
+    ``compute_loss_func``, its callback handler and its ``_dataloader``."""
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics
+        (``<metric_key_prefix>_*``), and logs them to ``on_evaluate`` callbacks: a trial's pruner.
+
+        ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
+        (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise UserError("no eval_dataset to evaluate on; give the Trainer an eval_dataset, or set "
+                            "eval_strategy='no' and an objective that needs no evaluation")
+        metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
+        self.state.num_evaluations += 1
+        self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
+                           eval_prediction=prediction)
+        self.state.log_history.append({**metrics, "epoch": round(self.state.epoch, 4), "step": self.state.global_step})
+        return metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """The model's predictions on ``test_dataset``, as transformers' ``predict`` returns them:
+        ``PredictionOutput(predictions, label_ids, metrics)``. The dataset may lack labels (then
+        ``label_ids`` is None, and the metrics hold neither a loss nor ``compute_metrics``'s).
+        Callbacks get ``on_predict``, not ``on_evaluate``: no pruner or early stop reads it."""
+        metrics, prediction = self._evaluation(test_dataset, ignore_keys, metric_key_prefix, predicting=True)
+        self._handler.fire("on_predict", self.args, self.state, self.control, metrics=metrics)
+        if prediction is None:
+            return PredictionOutput(None, None, metrics)
+        return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
+
+    def _evaluation(self, dataset: Any, ignore_keys: list[str] | None, prefix: str,
+                    predicting: bool) -> tuple[dict[str, float], Any]:
+        """One pass over ``dataset`` without gradients: its ``<prefix>_*`` metrics and the gathered
+        predictions (None when nobody needs them)."""
+        acc = getattr(self, "accelerator", None) or make_accelerator(self.args)
+        self.accelerator = acc
+        if getattr(self, "model_wrapped", None) is None:
+            if self.model is None:
+                self.model = self.call_model_init(None)
+            self.model_wrapped = acc.prepare(self.model)
+        model = self.model_wrapped
+        # One prepared loader per dataset and training run: building and preparing it anew cost
+        # every evaluation more than a small model's forward passes (and grew accelerate's list).
+        loaders = self.__dict__.setdefault("_eval_loaders", {})
+        key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
+        if key not in loaders:
+            loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
+                                                                  shuffle=False)))
+        dl = loaders[key][1]
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(0)  # every evaluation reads the data as the first one did
+        unwrapped = acc.unwrap_model(model)
+        collector = PredictionCollector(
+            acc, model=unwrapped,
+            enabled=predicting or self.compute_metrics is not None or self._handler.needs_predictions(),
+            label_names=label_names_for(unwrapped, self.args.label_names), loss_inside=self.compute_loss_func is None,
+            ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped),
+            preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
+        loss = evaluation_loop(model, dl, self.compute_loss, collector, full_eval_precision(self.args, acc.device),
+                               unlabelled=predicting)
+        metrics = {f"{prefix}_loss": loss} if loss is not None else {}
+        prediction = collector.result()
+        # transformers' predict computes no metrics without labels; an evaluation needs them
+        if self.compute_metrics is not None and not (predicting and (prediction is None or prediction.label_ids is None)):
+            metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
+        return metrics, prediction
+
+    def last_eval_metrics(self) -> dict[str, float]:
+        """The metrics of the latest evaluation (of the best one after ``load_best_model_at_end``)."""
+        return self.state.eval_metrics(best=self.args.load_best_model_at_end)
+
+
+def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
+                    precision: Any, *, unlabelled: bool = False) -> float | None:
+    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile.
+
+    ``unlabelled`` (prediction): a batch without labels goes through the model for its predictions
+    alone, as transformers' ``predict`` takes a test set without labels; the loss is None when no
+    batch had labels. Otherwise every batch must give a loss (`Trainer.compute_loss`)."""
+    total, count = None, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), precision:
+            for batch in dataloader:
+                labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
+                if labels is None and unlabelled:
+                    collector.add(batch, None, None, batch_size(batch), call_model(model, batch))
+                    continue
+                loss, outputs = compute_loss(model, batch, return_outputs=True)
+                size = batch_size(batch)
+                if collector.accelerator.num_processes > 1:
+                    # Every process's batch, without the samples accelerate repeats to even out the last ones.
+                    losses = collector.accelerator.gather_for_metrics(loss.detach().double().repeat(size))
+                    loss, size = losses.mean(), losses.numel()
+                # Summed on the device and read once: float(loss) per batch would wait for the device
+                # each time. float64 as Python's float was (MPS has none).
+                if total is None:
+                    total = torch.zeros((), dtype=torch.float32 if loss.device.type == "mps" else torch.float64,
+                                        device=loss.device)
+                total += loss.detach().to(total.dtype) * size
+                count += size
+                collector.add(batch, labels, loss, size, outputs)
+    finally:
+        model.train(was_training)
+    if total is None:
+        return None if unlabelled else 0.0
+    return float(total) / max(count, 1)
+
+
+def full_eval_precision(args: Any, device: torch.device) -> Any:
+    """``fp16_full_eval`` / ``bf16_full_eval``: evaluation runs under autocast in that precision."""
+    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def computed_metrics(compute_metrics: Callable[[Any], Any], prediction: Any, prefix: str = "eval") -> dict[str, float]:
+    """``compute_metrics(prediction)`` as ``<prefix>_*`` floats; a wrong use is one `UserError`."""
+    if prediction is None:
+        raise UserError("compute_metrics needs predictions, but the model returned only the loss; "
+                        "return (loss, logits) or {'loss': ..., 'logits': ...} from forward")
+    computed = compute_metrics(prediction)
+    if not isinstance(computed, Mapping):
+        raise UserError(f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
+                        "float, e.g. {'accuracy': 0.9}")
+    return {key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": float(value) for key, value in computed.items()}
