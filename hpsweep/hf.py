@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from .arguments import HF_REFUSED, TrainingArguments, field_types
 from .callbacks import TrainerCallback
 from .errors import UserError
+from .runs import read_json, write_json
 
 #: transformers fields that change nothing hpsweep computes (logging, infrastructure, knobs its
 #: Trainer ignores too); any value is accepted and dropped. Other fields of theirs we lack are
@@ -213,21 +213,17 @@ def save_metrics(self: Any, split: str, metrics: Mapping[str, Any], combined: bo
     ``all_results.json``, as transformers does; each file is written whole or not at all."""
     if not self.is_world_process_zero():
         return
-    from .runs import read_json, write_text
-
     folder = Path(self.args.output_dir)
-    write_text(folder / f"{split}_results.json", json.dumps(dict(metrics), indent=4, sort_keys=True))
+    write_json(folder / f"{split}_results.json", dict(metrics), indent=4, sort_keys=True)
     if combined:
         merged = {**read_json(folder / "all_results.json"), **metrics}
-        write_text(folder / "all_results.json", json.dumps(merged, indent=4, sort_keys=True))
+        write_json(folder / "all_results.json", merged, indent=4, sort_keys=True)
 
 
 def save_state(self: Any) -> None:
     """Write the trainer state to ``<output_dir>/trainer_state.json`` (what every checkpoint holds)."""
     if not self.is_world_process_zero():
         return
-    from .runs import write_json
-
     write_json(Path(self.args.output_dir) / "trainer_state.json", self.state.to_dict())
 
 

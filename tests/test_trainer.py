@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -129,8 +130,8 @@ def test_train_reports_transformers_train_metrics_and_saves_metric_files(tmp_pat
     assert json.loads((tmp_path / "train_results.json").read_text()) == metrics
     assert not (tmp_path / "all_results.json").exists()
     trainer.save_metrics("eval", {"eval_a": 1.0})
-    trainer.save_metrics("test", {"test_b": 2})
-    assert json.loads((tmp_path / "all_results.json").read_text()) == {"eval_a": 1.0, "test_b": 2}
+    trainer.save_metrics("test", {"test_b": 2, "test_c": np.float32(0.5)})  # numpy scalars, as metrics often are
+    assert json.loads((tmp_path / "all_results.json").read_text()) == {"eval_a": 1.0, "test_b": 2, "test_c": 0.5}
     assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
 
 def test_load_best_model_at_end_restores_the_best_weights(tmp_path: Path) -> None:

@@ -35,9 +35,9 @@ def _umask() -> int:
     return mask
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` atomically (see `write_text`)."""
-    write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
+def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = False) -> None:
+    """Write JSON to ``path`` atomically (see `write_text`); numpy and torch scalars as numbers."""
+    write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys, default=_json_default) + "\n")
 
 
 def _json_default(value: Any) -> Any:
