@@ -36,11 +36,11 @@ from .accel import make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
+from .evaluation import Evaluation
 from .hf import as_training_arguments, default_collator, save_processing_class, speed_metrics, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from .optim import create_optimizer, create_scheduler
-from .evaluation import Evaluation
 from .predictions import call_model, describe, loss_of
 from .steps import step_ops
 
