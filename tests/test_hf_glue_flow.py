@@ -131,8 +131,9 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     assert json.loads((final / "train_results.json").read_text())["train_samples"] == 160
     assert json.loads((final / "all_results.json").read_text()) == {**metrics, **eval_metrics}
     state = json.loads((final / "trainer_state.json").read_text())
-    assert state["global_step"] == train_result.global_step
-    assert [h["eval_accuracy"] for h in state["log_history"] if "eval_accuracy" in h][-1] == best_run.objective
+    assert state["global_step"] == train_result.global_step and state["best_metric"] == best_run.objective
+    assert [h["eval_accuracy"] for h in state["log_history"] if "eval_accuracy" in h] == [
+        h["eval_accuracy"] for h in trainer.state.log_history[:-1] if "eval_accuracy" in h]  # all but evaluate()'s
     test = sentences(48, seed=3).map(preprocess_function, batched=True)
     blind = trainer.predict(test.remove_columns("label"))
     assert blind.label_ids is None and blind.metrics == {}
