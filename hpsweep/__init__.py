@@ -28,5 +28,5 @@ def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used
 
 
 __all__ = ["BestRun", "Categorical", "EarlyStoppingCallback", "EvalPrediction", "Float", "Int", "MetricCallback",
-           "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState",
-           "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError", "run"]
+           "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback", "TrainerControl",
+           "TrainerState", "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError", "run"]

@@ -88,8 +88,9 @@ class Evaluation:
                                unlabelled=predicting)
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
+        labelled = prediction is not None and prediction.label_ids is not None
         # transformers' predict computes no metrics without labels; an evaluation needs them
-        if self.compute_metrics is not None and not (predicting and (prediction is None or prediction.label_ids is None)):
+        if self.compute_metrics is not None and (labelled or not predicting):
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
         return metrics, prediction
 
