@@ -36,6 +36,13 @@ def make_accelerator(args: Any) -> Any:
     return acc
 
 
+def is_prepared_loader(loader: Any) -> bool:
+    """Whether ``loader`` came out of ``Accelerator.prepare`` (one process's shard of the data)."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    return isinstance(loader, (DataLoaderShard, DataLoaderDispatcher))
+
+
 def _cache_accelerate_package_probes() -> None:
     """accelerate's optimizer asks `is_lomo_available()` twice per step, and each answer is a
     filesystem search (importlib find_spec + package metadata): ~0.3 ms a step, a third of a small

@@ -8,23 +8,25 @@ functions, and keeps the training loop's module to the loop.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .accel import make_accelerator
+from .accel import is_prepared_loader, make_accelerator
 from .callbacks import PredictionOutput
 from .data import batch_labels, batch_size, label_names_for
 from .errors import UserError
-from .predictions import PredictionCollector, call_model, ignore_keys_for
+from .predictions import PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
 
 
 class Evaluation:
     """`Trainer.evaluate` and `Trainer.predict`, and the pass they share. The trainer provides
     ``args``, ``state``, ``control``, the model (``model``, ``model_wrapped``, ``model_init``),
     ``compute_loss``, ``compute_metrics``, ``preprocess_logits_for_metrics``,
-    ``compute_loss_func``, its callback handler and its ``_dataloader``."""
+    ``compute_loss_func``, its callback handler and its ``_dataloader``. ``label_names`` is set
+    for each pass, as transformers' Trainer names them: the labels `prediction_step` looks for."""
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -67,25 +69,20 @@ class Evaluation:
                 self.model = self.call_model_init(None)
             self.model_wrapped = acc.prepare(self.model)
         model = self.model_wrapped
-        # One prepared loader per dataset and training run: building and preparing it anew cost
-        # every evaluation more than a small model's forward passes (and grew accelerate's list).
-        loaders = self.__dict__.setdefault("_eval_loaders", {})
-        key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
-        if key not in loaders:
-            loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
-                                                                  shuffle=False)))
-        dl = loaders[key][1]
+        dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
+        if not is_prepared_loader(dl):  # an override's own DataLoader
+            dl = acc.prepare(dl)
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(0)  # every evaluation reads the data as the first one did
         unwrapped = acc.unwrap_model(model)
+        self.label_names = label_names_for(unwrapped, self.args.label_names)  # as transformers' Trainer names them
         collector = PredictionCollector(
             acc, model=unwrapped,
             enabled=predicting or self.compute_metrics is not None or self._handler.needs_predictions(),
-            label_names=label_names_for(unwrapped, self.args.label_names), loss_inside=self.compute_loss_func is None,
-            ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped),
             preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
-        loss = evaluation_loop(model, dl, self.compute_loss, collector, full_eval_precision(self.args, acc.device),
-                               unlabelled=predicting)
+        step = functools.partial(self.prediction_step, prediction_loss_only=not collector.enabled,
+                                 ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped))
+        loss = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
         labelled = prediction is not None and prediction.label_ids is not None
@@ -94,47 +91,86 @@ class Evaluation:
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
         return metrics, prediction
 
+    # --- transformers' override points (see Trainer) --------------------------------------------------
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The evaluation batches of ``eval_dataset`` (the Trainer's by default), in
+        ``per_device_eval_batch_size`` batches, prepared by ``self.accelerator``. An override may
+        return a plain ``DataLoader``; the evaluation prepares it."""
+        return self._prepared_loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """`predict`'s batches of ``test_dataset``, as `get_eval_dataloader` makes them."""
+        return self._prepared_loader(test_dataset)
+
+    def _prepared_loader(self, dataset: Any) -> Any:
+        # One prepared loader per dataset and training run: building and preparing it anew cost
+        # every evaluation more than a small model's forward passes (and grew accelerate's list).
+        acc = self.accelerator
+        loaders = self.__dict__.setdefault("_eval_loaders", {})
+        key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
+        if key not in loaders:
+            loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
+                                                                  shuffle=False)))
+        return loaders[key][1]
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """One batch without gradients: ``(loss, logits, labels)``, each None where there is none.
+
+        A batch with labels takes its loss from ``compute_loss``; one without (a test set) goes
+        through the model alone, and keeps a loss only if the model returns one anyway. The logits
+        are everything the model returned but the loss and ``ignore_keys`` (None with
+        ``prediction_loss_only``)."""
+        labels = batch_labels(inputs, self.label_names)
+        if labels is not None:
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        else:
+            outputs = call_model(model, inputs)
+            loss = loss_of(outputs)
+            loss = loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        if prediction_loss_only:
+            return loss, None, None
+        if ignore_keys is None:
+            ignore_keys = ignore_keys_for(self.accelerator.unwrap_model(model))
+        logits = predictions_of(outputs, loss_inside=self.compute_loss_func is None and loss is not None,
+                                ignore_keys=ignore_keys)
+        return loss, logits, labels
+
     def last_eval_metrics(self) -> dict[str, float]:
         """The metrics of the latest evaluation (of the best one after ``load_best_model_at_end``)."""
         return self.state.eval_metrics(best=self.args.load_best_model_at_end)
 
 
-def evaluation_loop(model: Any, dataloader: Any, compute_loss: Callable[..., Any], collector: PredictionCollector,
-                    precision: Any, *, unlabelled: bool = False) -> float | None:
-    """The mean loss over ``dataloader`` (per sample); ``collector`` gathers the predictions meanwhile.
-
-    ``unlabelled`` (prediction): a batch without labels goes through the model for its predictions
-    alone, as transformers' ``predict`` takes a test set without labels; the loss is None when no
-    batch had labels. Otherwise every batch must give a loss (`Trainer.compute_loss`)."""
+def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tuple[Any, Any, Any]],
+                    collector: PredictionCollector, precision: Any) -> float | None:
+    """The mean loss over ``dataloader`` (per sample; None when no batch had one, as a test set
+    without labels); ``collector`` gathers what ``step(model, batch) -> (loss, logits, labels)``
+    (`Evaluation.prediction_step`) returns meanwhile."""
     total, count = None, 0
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), precision:
             for batch in dataloader:
-                labels = batch_labels(batch, collector.label_names)  # before compute_loss_func takes them out
-                if labels is None and unlabelled:
-                    collector.add(batch, None, None, batch_size(batch), call_model(model, batch))
-                    continue
-                loss, outputs = compute_loss(model, batch, return_outputs=True)
+                loss, logits, labels = step(model, batch)
                 size = batch_size(batch)
-                if collector.accelerator.num_processes > 1:
-                    # Every process's batch, without the samples accelerate repeats to even out the last ones.
-                    losses = collector.accelerator.gather_for_metrics(loss.detach().double().repeat(size))
-                    loss, size = losses.mean(), losses.numel()
-                # Summed on the device and read once: float(loss) per batch would wait for the device
-                # each time. float64 as Python's float was (MPS has none).
-                if total is None:
-                    total = torch.zeros((), dtype=torch.float32 if loss.device.type == "mps" else torch.float64,
-                                        device=loss.device)
-                total += loss.detach().to(total.dtype) * size
-                count += size
-                collector.add(batch, labels, loss, size, outputs)
+                if loss is not None:
+                    if collector.accelerator.num_processes > 1:
+                        # Every process's batch, without the samples accelerate repeats to even out the last ones.
+                        losses = collector.accelerator.gather_for_metrics(loss.detach().double().repeat(size))
+                        loss, size = losses.mean(), losses.numel()
+                    # Summed on the device and read once: float(loss) per batch would wait for the device
+                    # each time. float64 as Python's float was (MPS has none).
+                    if total is None:
+                        total = torch.zeros((), dtype=torch.float32 if loss.device.type == "mps" else torch.float64,
+                                            device=loss.device)
+                    total += loss.detach().to(total.dtype) * size
+                    count += size
+                collector.add(batch, labels, loss, size, logits)
     finally:
         model.train(was_training)
-    if total is None:
-        return None if unlabelled else 0.0
-    return float(total) / max(count, 1)
+    return float(total) / max(count, 1) if total is not None else None
 
 
 def full_eval_precision(args: Any, device: torch.device) -> Any:

@@ -132,7 +132,8 @@ def trainer_components(callbacks: list[Any], *, processing_class: Any, tokenizer
     found among ``callbacks``, as a trial's trainer receives it) and the callbacks to keep."""
     if model_init is not None and any(o is not None for o in optimizers):
         raise UserError("optimizers=(...) with model_init: each run builds a new model the optimizer does not "
-                        "hold; set optim= in TrainingArguments, or pass model= instead of model_init")
+                        "hold; set optim= in TrainingArguments, or subclass Trainer and build it for each run's "
+                        "model in create_optimizer_and_scheduler, as transformers advises")
     if optimizer_cls_and_kwargs is not None:
         raise UserError("optimizer_cls_and_kwargs is not supported; set optim= (e.g. 'adamw_torch', 'sgd') in "
                         "TrainingArguments, or pass optimizers=(optimizer, None) with a model")

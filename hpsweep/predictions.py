@@ -123,24 +123,20 @@ def concat(parts: list[Any]) -> Any:
 class PredictionCollector:
     """Gathers one evaluation's predictions, labels (and inputs / losses when asked) batch by batch."""
 
-    def __init__(self, accelerator: Any, *, model: Any, enabled: bool, label_names: Sequence[str], loss_inside: bool,
-                 ignore_keys: Sequence[str], preprocess: Callable[[Any, Any], Any] | None,
+    def __init__(self, accelerator: Any, *, model: Any, enabled: bool, preprocess: Callable[[Any, Any], Any] | None,
                  include: Sequence[str]) -> None:
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
-        self.label_names, self.loss_inside, self.ignore_keys = list(label_names), loss_inside, list(ignore_keys)
         self.preprocess, self.include = preprocess, set(include)
         self.preds: list[Any] = []
         self.labels: list[Any] = []
         self.inputs: list[Any] = []
         self.losses: list[Any] = []
 
-    def add(self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, outputs: Any) -> None:
-        """One batch; ``loss`` None for a batch without labels, whose outputs carry no loss."""
+    def add(self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, logits: Any) -> None:
+        """One batch's `prediction_step` results; ``loss`` None for a batch that gave none."""
         if not self.enabled:
             return
         acc = self.accelerator
-        logits = predictions_of(outputs, loss_inside=self.loss_inside and loss is not None,
-                                ignore_keys=self.ignore_keys)
         if logits is not None:
             if self.preprocess is not None:
                 logits = self.preprocess(logits, labels)

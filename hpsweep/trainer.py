@@ -32,7 +32,7 @@ from .callbacks import (
     flow_on_epoch,
     flow_on_step,
 )
-from .accel import make_accelerator
+from .accel import is_prepared_loader, make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
@@ -40,7 +40,7 @@ from .evaluation import Evaluation
 from .hf import as_training_arguments, default_collator, save_processing_class, speed_metrics, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
-from .optim import create_optimizer, create_scheduler
+from . import optim
 from .predictions import call_model, describe, loss_of
 from .steps import step_ops
 
@@ -96,6 +96,7 @@ class Trainer(Evaluation):
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
         self.optimizers = optimizers
+        self.optimizer, self.lr_scheduler = optimizers
         # They ride with the callbacks, so that every trial's trainer gets them (hf.HFComponents).
         self._components, self.user_callbacks = trainer_components(
             list(callbacks or []), processing_class=processing_class, tokenizer=tokenizer,
@@ -156,6 +157,49 @@ class Trainer(Evaluation):
                           pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
                           generator=torch.Generator().manual_seed(self.args.seed) if shuffle else None)
 
+    # --- transformers' override points: what a subclass replaces -------------------------------------
+    # A sweep builds every trial's trainer from the class of the one it was given, so a subclass's
+    # methods run in every trial.
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training batches: ``train_dataset`` shuffled (seeded by ``args.seed``) in
+        ``per_device_train_batch_size`` batches. An override may return any ``DataLoader``,
+        prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
+        if self.train_dataset is None:
+            raise UserError("no train_dataset; give the Trainer a train_dataset")
+        check_not_empty(self.train_dataset, "train_dataset")
+        return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, shuffle=True)
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Set ``self.optimizer`` and ``self.lr_scheduler`` for a run of ``num_training_steps``
+        optimizer steps; each is built only when the ``optimizers=`` pair did not give it. With
+        ``model_init``, where each run has a new model, this is where a custom optimizer goes."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """``self.optimizer``, built from ``args`` (``optim``, ``learning_rate``, ``weight_decay``,
+        ...) over ``self.model`` when it is None."""
+        if self.optimizer is None:
+            self.optimizer = optim.create_optimizer(self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """``self.lr_scheduler`` (``args.lr_scheduler_type`` with warmup), built when it is None."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One batch forward and backward (``compute_loss``, then ``accelerator.backward``, with
+        the ``on_before_backward`` / ``on_after_backward`` events around it); returns the loss,
+        detached. The loop clips, steps the optimizer and zeroes the gradients afterwards."""
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self._handler.fire("on_before_backward", self.args, self.state, self.control)
+        self._step_ops.backward(loss)
+        self._handler.fire("on_after_backward", self.args, self.state, self.control)
+        return loss.detach()
+
     # --- training ----------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None) -> TrainOutput:
@@ -168,30 +212,31 @@ class Trainer(Evaluation):
         _set_seed(args.seed)
         if self.model_init is not None:
             self.model = self.call_model_init(trial)
-        if self.train_dataset is None:
-            raise UserError("no train_dataset; give the Trainer a train_dataset")
         checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
 
         self.accelerator = acc = make_accelerator(self.args)
         self._eval_loaders: dict[Any, Any] = {}  # prepared loaders belong to one accelerator
-        check_not_empty(self.train_dataset, "train_dataset")
-        train_dl = self._dataloader(self.train_dataset, args.per_device_train_batch_size, shuffle=True)
+        train_dl = self.get_train_dataloader()
+        prepared = is_prepared_loader(train_dl)  # an override of get_train_dataloader may prepare it itself
         if len(train_dl) == 0:
             raise UserError("train_dataset is empty (or smaller than one batch with dataloader_drop_last)")
         # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
         # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
-        batches = math.ceil(len(train_dl) / acc.num_processes)
+        batches = len(train_dl) if prepared else math.ceil(len(train_dl) / acc.num_processes)
         steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        optimizer, scheduler = self.optimizers
-        optimizer = optimizer or create_optimizer(self.model, args)
-        scheduler = scheduler or create_scheduler(optimizer, args, max_steps)
-        self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
-            self.model, optimizer, train_dl, scheduler)
+        self.optimizer, self.lr_scheduler = self.optimizers  # the user's pair, or None: a run's own from here
+        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+        if prepared:
+            self.model_wrapped, self.optimizer, self.lr_scheduler = acc.prepare(
+                self.model, self.optimizer, self.lr_scheduler)
+        else:
+            self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
+                self.model, self.optimizer, train_dl, self.lr_scheduler)
         model = self.model_wrapped
         if acc.num_processes > 1:  # max_steps counts optimizer steps: one schedule step each, not one per process
             self.lr_scheduler.split_batches = True
-        ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
+        self._step_ops = ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
         self.accelerate_wrappers_skipped = ops.plain
 
         self.state = state = TrainerState(max_steps=max_steps, steps_per_epoch=steps_per_epoch,
@@ -227,10 +272,7 @@ class Trainer(Evaluation):
                     if micro_step % accumulation == 0:
                         handler.fire("on_step_begin", args, state, control)
                     with ops.accumulate(model):
-                        loss = self.compute_loss(model, batch)
-                        handler.fire("on_before_backward", args, state, control)
-                        ops.backward(loss)
-                        handler.fire("on_after_backward", args, state, control)
+                        loss = self.training_step(model, batch)
                         synced = ops.synced()
                         if synced:
                             if args.max_grad_norm > 0:

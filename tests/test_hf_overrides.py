@@ -1,0 +1,163 @@
+"""transformers' override points: a `Trainer` subclass that replaces `create_optimizer_and_scheduler`,
+`create_optimizer`, `get_train_dataloader`, `get_eval_dataloader` / `get_test_dataloader`,
+`training_step` or `prediction_step`, as Hugging Face users write them, trains with its own
+methods, alone and in every trial of a sweep."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import hpsweep
+from hpsweep import UserError
+
+from test_hf_trainer import Net, accuracy, args, rows
+
+
+def trained(trainer: hpsweep.Trainer) -> dict[str, torch.Tensor]:
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+class MomentumSGD(hpsweep.Trainer):
+    """Hugging Face's advice for a custom optimizer with model_init: build it for each run's model."""
+
+    built: list[tuple[float, int]] = []
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.args.learning_rate, momentum=0.9)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        MomentumSGD.built.append((self.args.learning_rate, num_training_steps))
+
+
+def test_a_custom_optimizer_for_every_trial_of_a_sweep(tmp_path: Path) -> None:
+    MomentumSGD.built = []
+    trainer = MomentumSGD(model_init=lambda trial: Net(),
+                          args=args(tmp_path, num_train_epochs=1, save_strategy="epoch"),
+                          train_dataset=rows(96, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy)
+    trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=3,
+                                  direction="maximize", show_progress=False)
+    trials = sorted((json.loads(p.read_text()) for p in tmp_path.glob("*/trial.json")), key=lambda r: r["number"])
+    assert [lr for lr, _ in MomentumSGD.built] == [t["params"]["learning_rate"] for t in trials]
+    assert all(steps == 6 for _, steps in MomentumSGD.built)  # 96 rows in batches of 16, one epoch
+    # every trial's checkpoint holds SGD's state (a momentum buffer), not AdamW's moments
+    saved = [torch.load(f, weights_only=True) for f in tmp_path.glob("*/checkpoint-6/optimizer.pt")]
+    assert len(saved) == 3 and all(opt["state"] for opt in saved)
+    assert all(set(s) == {"momentum_buffer"} for opt in saved for s in opt["state"].values())
+
+
+def test_without_an_override_optimizers_with_model_init_names_the_override(tmp_path: Path) -> None:
+    sgd = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(UserError, match="create_optimizer_and_scheduler"):
+        hpsweep.Trainer(model_init=Net, args=args(tmp_path), optimizers=(sgd, None))
+
+
+def test_create_optimizer_alone_gets_the_default_schedule(tmp_path: Path) -> None:
+    class Plain(hpsweep.Trainer):
+        def create_optimizer(self):
+            if self.optimizer is None:
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.2)
+            return self.optimizer
+
+    trainer = Plain(model_init=Net, args=args(tmp_path, eval_strategy="no", logging_strategy="steps", logging_steps=1),
+                    train_dataset=rows(64, 1))
+    trainer.train()
+    assert type(trainer.optimizer.optimizer) is torch.optim.SGD
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs[0] == pytest.approx(0.2 * (1 - 1 / 8)) and lrs[-1] == pytest.approx(0.0)  # linear decay from SGD's lr
+    first = trainer.optimizer
+    trainer.train()  # a second run builds its own optimizer, over the new model
+    assert trainer.optimizer is not first and trainer.optimizer.optimizer.param_groups[0]["params"][0] is \
+        next(trainer.model.parameters())
+
+
+@pytest.mark.parametrize("prepare", [False, True], ids=["plain", "prepared"])
+def test_get_train_dataloader_decides_the_batches(tmp_path: Path, prepare: bool) -> None:
+    seen: list[int] = []
+
+    class Batches(hpsweep.Trainer):
+        def get_train_dataloader(self):
+            loader = DataLoader(self.train_dataset, batch_size=8, shuffle=True, collate_fn=self.collate)
+            return self.accelerator.prepare(loader) if prepare else loader
+
+        def collate(self, features):
+            seen.append(len(features))
+            return hpsweep.data.default_data_collator(features)
+
+    trainer = Batches(model_init=Net, args=args(tmp_path, eval_strategy="no", num_train_epochs=2),
+                      train_dataset=rows(40, 1))
+    start = trainer.call_model_init()
+    out = trainer.train()
+    assert out.global_step == 10 and set(seen) == {8}  # 40 rows in batches of 8 (not 16), two epochs
+    assert not torch.equal(start.net[0].weight, trainer.model.net[0].weight)
+
+
+def test_get_eval_and_test_dataloaders_decide_what_is_evaluated(tmp_path: Path) -> None:
+    class FirstHalf(hpsweep.Trainer):
+        def get_eval_dataloader(self, eval_dataset=None):
+            data = eval_dataset if eval_dataset is not None else self.eval_dataset
+            return DataLoader(data[: len(data) // 2], batch_size=10, collate_fn=hpsweep.data.default_data_collator)
+
+        def get_test_dataloader(self, test_dataset):
+            return self.get_eval_dataloader(test_dataset[:6])
+
+    counted: list[int] = []
+
+    def count(p: hpsweep.EvalPrediction) -> dict:
+        counted.append(len(p.label_ids))
+        return accuracy(p)
+
+    trainer = FirstHalf(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(64, 1),
+                        eval_dataset=rows(40, 2), compute_metrics=count)
+    trainer.train()
+    assert counted == [20, 20]  # each epoch's evaluation saw the override's half
+    assert len(trainer.predict(rows(40, 3)).predictions) == 3  # half of the first 6
+
+
+def test_an_hf_style_training_step_trains_the_same_weights(tmp_path: Path) -> None:
+    class HFStyle(hpsweep.Trainer):
+        steps = 0
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            HFStyle.steps += 1
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            self.accelerator.backward(loss)
+            return 2 * loss.detach()  # what the loop logs
+
+    def run(cls: type, out: Path) -> tuple[dict, list[float]]:
+        trainer = cls(model_init=Net, args=args(out, eval_strategy="no", logging_strategy="steps", logging_steps=2),
+                      train_dataset=rows(64, 1))
+        weights = trained(trainer)
+        return weights, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    default_weights, default_losses = run(hpsweep.Trainer, tmp_path / "default")
+    weights, losses = run(HFStyle, tmp_path / "override")
+    assert HFStyle.steps == 8  # 64 rows, batches of 16, two epochs
+    assert all(torch.equal(default_weights[k], weights[k]) for k in weights)
+    assert losses == pytest.approx([2 * x for x in default_losses], rel=1e-5)
+
+
+def test_prediction_step_decides_what_compute_metrics_gets(tmp_path: Path) -> None:
+    class Ids(hpsweep.Trainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return loss, logits.argmax(-1), labels  # ids, as a generating Seq2SeqTrainer hands them over
+
+    seen: list[tuple] = []
+
+    def ids_accuracy(p: hpsweep.EvalPrediction) -> dict:
+        seen.append(p.predictions.shape)
+        return {"accuracy": float((p.predictions == p.label_ids).mean())}
+
+    common = dict(model_init=Net, args=args(tmp_path, eval_strategy="no"), train_dataset=rows(64, 1))
+    ids = Ids(**common, compute_metrics=ids_accuracy)
+    plain = hpsweep.Trainer(**common, compute_metrics=accuracy)
+    ids.train(), plain.train()
+    data = rows(40, 2)
+    assert ids.evaluate(data) == pytest.approx(plain.evaluate(data))  # same loss, same accuracy from the ids
+    assert seen == [(40,)]
+    assert np.array_equal(ids.predict(data).predictions, plain.predict(data).predictions.argmax(-1))
