@@ -36,8 +36,9 @@ from .accel import is_prepared_loader, make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
+from .checkpointing import Checkpointing
 from .evaluation import Evaluation
-from .hf import as_training_arguments, default_collator, save_processing_class, speed_metrics, trainer_components
+from .hf import as_training_arguments, default_collator, speed_metrics, trainer_components
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from . import optim
@@ -55,7 +56,7 @@ class TrainOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-class Trainer(Evaluation):
+class Trainer(Checkpointing, Evaluation):
     """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
 
     The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
@@ -383,57 +384,6 @@ class Trainer(Evaluation):
                             "compute_loss_func=")
         loss = loss.reshape(())
         return (loss, outputs) if return_outputs else loss
-
-    # --- checkpoints -------------------------------------------------------------------------------
-
-    def _checkpoint_dir(self) -> Path:
-        return Path(self.args.output_dir) / f"{runs.CHECKPOINT_PREFIX}{self.state.global_step}"
-
-    def save_checkpoint(self, wait: bool = True) -> Path:
-        """Write ``checkpoint-<step>`` atomically, then rotate old ones (never the best).
-
-        ``wait=False`` (the training loop's checkpoints) copies the state now and writes it on a
-        background thread, returning before the files are on disk: the next checkpoint and the end
-        of training wait for them. When an ``on_save`` callback reads the folder (by default: see
-        `TrainerCallback.reads_checkpoints`) the checkpoint is written before it is called.
-        """
-        final = self._checkpoint_dir()
-        self.state.callbacks = self._handler.state_dicts()
-        acc = self.accelerator
-        background = not wait and not self._handler.reads_checkpoints() and acc.num_processes == 1
-        writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
-        if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
-            snapshot = runs.snapshot_checkpoint(model=acc.unwrap_model(self.model_wrapped), optimizer=self.optimizer,
-                                                scheduler=self.lr_scheduler, state=self.state.to_dict(),
-                                                args=self.args.to_dict(), scaler=acc.scaler, copy=background)
-            best = self.state.best_model_checkpoint
-            writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
-                          background=background)
-        if acc.num_processes > 1:
-            acc.wait_for_everyone()  # the others may read it next (the best model, the final checkpoint)
-        self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
-        return final
-
-    def save_model(self, output_dir: str | Path | None = None) -> None:
-        """Weights only (safetensors, plus config.json for Hugging Face models) and the processing
-        class, in ``output_dir`` (``args.output_dir`` by default, as in transformers)."""
-        output_dir = Path(output_dir if output_dir is not None else self.args.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        model = self.accelerator.unwrap_model(self.model_wrapped) if hasattr(self, "accelerator") else self.model
-        runs.save_weights(model, output_dir)
-        save_processing_class(self.processing_class, output_dir)
-
-    def _load_checkpoint(self, folder: Path) -> Any:
-        """Restore weights, optimizer, scheduler (+ fp16 scaler), trainer and callback state; returns the RNG state."""
-        acc = self.accelerator
-        state, rng_state = runs.read_checkpoint(folder, model=acc.unwrap_model(self.model_wrapped),
-                                                optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=acc.scaler)
-        saved = TrainerState.from_dict(state)
-        for name in ("global_step", "epoch", "num_evaluations", "log_history", "best_metric", "best_model_checkpoint",
-                     "callbacks"):
-            setattr(self.state, name, getattr(saved, name))
-        self._handler.load_state_dicts(saved.callbacks)
-        return rng_state
 
     # --- search --------------------------------------------------------------------------------------
 
