@@ -31,7 +31,9 @@ import gc
 import weakref
 from typing import Any
 
-_TRAINER_REFS = ("model", "model_wrapped", "optimizer", "lr_scheduler", "accelerator", "model_init", "optimizers")
+# ``_step_ops`` holds the run's optimizer and scheduler through their bound ``step`` methods.
+_TRAINER_REFS = ("model", "model_wrapped", "optimizer", "lr_scheduler", "accelerator", "model_init", "optimizers",
+                 "_step_ops")
 
 
 def release(trainer: Any) -> None:
