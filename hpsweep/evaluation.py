@@ -24,14 +24,15 @@ from .predictions import PredictionCollector, call_model, ignore_keys_for, loss_
 class Evaluation:
     """`Trainer.evaluate` and `Trainer.predict`, and the pass they share. The trainer provides
     ``args``, ``state``, ``control``, the model (``model``, ``model_wrapped``, ``model_init``),
-    ``compute_loss``, ``compute_metrics``, ``preprocess_logits_for_metrics``,
+    ``compute_loss``, ``log``, ``compute_metrics``, ``preprocess_logits_for_metrics``,
     ``compute_loss_func``, its callback handler and its ``_dataloader``. ``label_names`` is set
     for each pass, as transformers' Trainer names them: the labels `prediction_step` looks for."""
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics
-        (``<metric_key_prefix>_*``), and logs them to ``on_evaluate`` callbacks: a trial's pruner.
+        (``<metric_key_prefix>_*``), hands them to ``on_evaluate`` callbacks (a trial's pruner; a
+        `MetricCallback` adds its metric there) and logs them (`log`: ``log_history``, ``on_log``).
 
         ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
         (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them."""
@@ -43,7 +44,7 @@ class Evaluation:
         self.state.num_evaluations += 1
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
                            eval_prediction=prediction)
-        self.state.log_history.append({**metrics, "epoch": round(self.state.epoch, 4), "step": self.state.global_step})
+        self.log(metrics)  # as transformers does; after on_evaluate, with the metrics a MetricCallback added
         return metrics
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,

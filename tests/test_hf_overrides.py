@@ -161,3 +161,20 @@ def test_prediction_step_decides_what_compute_metrics_gets(tmp_path: Path) -> No
     assert ids.evaluate(data) == pytest.approx(plain.evaluate(data))  # same loss, same accuracy from the ids
     assert seen == [(40,)]
     assert np.array_equal(ids.predict(data).predictions, plain.predict(data).predictions.argmax(-1))
+
+
+def test_a_log_override_with_transformers_signature_sees_every_log(tmp_path: Path) -> None:
+    class Logged(hpsweep.Trainer):
+        seen: list[dict] = []
+
+        def log(self, logs, start_time=None):
+            Logged.seen.append(dict(logs))
+            super().log(logs, start_time)
+
+    trainer = Logged(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(64, 1),
+                     eval_dataset=rows(32, 2))
+    trainer.train()
+    # per epoch, the training loss, then the evaluation's metrics (evaluate logs them, as transformers' does)
+    assert [sorted(x) for x in Logged.seen] == [["learning_rate", "loss"], ["eval_loss"]] * 2
+    assert [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in trainer.state.log_history] == \
+        Logged.seen

@@ -228,14 +228,12 @@ class MLflowTracker(SweepCallback):
 
 
 class _TrialLogger(TrainerCallback):
-    """Logs every evaluation's metrics, and the training loss, with the training step."""
+    """Logs every evaluation's metrics, and the training loss, with the training step: all that
+    the trainer logs (`Trainer.log`, which `evaluate` calls too)."""
 
     def __init__(self, tracker: MLflowTracker, run_id: str) -> None:
         self.tracker = tracker
         self.run_id = run_id
-
-    def on_evaluate(self, args: Any, state: Any, control: Any, *, metrics: Mapping[str, float], **kwargs: Any) -> None:
-        self.tracker.log_metrics(self.run_id, metrics, state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, *, logs: Mapping[str, float], **kwargs: Any) -> None:
         self.tracker.log_metrics(self.run_id, logs, state.global_step)
