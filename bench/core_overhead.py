@@ -196,6 +196,10 @@ def main() -> None:
                         "hpsweep-base, its defaults run from that tree, for before/after in one run")
     ns = parser.parse_args()
     variants = ns.variants.split(",") + (["hpsweep-base"] if ns.base else [])
+    unknown = set(variants) - {"hand", "hf", "hpsweep", "hpsweep-nosave", "hpsweep-base"}
+    if unknown or ("hpsweep-base" in variants and not ns.base):
+        parser.error(f"unknown variants {sorted(unknown)}: use hand, hpsweep, hpsweep-nosave, hf; --base TREE "
+                     "adds hpsweep-base" if unknown else "hpsweep-base needs --base TREE")
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     disk: dict[str, list[float]] = {v: [] for v in variants}
