@@ -152,6 +152,45 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(cluster: Clu
     assert set(runs.read_json(ray_run / "trial.json")) == set(runs.read_json(optuna_run / "trial.json"))
 
 
+# Trial 2 learns nothing (ASHA stops it at its first evaluation, the last trial of the round), and
+# a stopped trial takes 2 s to end: its callbacks, a slow MLflow server, shipping its folder.
+SLOW_ENDING = """
+import time
+
+class Chance(Net):
+    def forward(self, x, labels):
+        logits = 0 * self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels) + 0 * logits.sum(), "logits": logits}
+
+def model_init(trial):
+    return Chance() if trial.number == 2 else Net(hidden=16)
+
+class SlowEnding(hpsweep.TrainerCallback):
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.global_step < state.max_steps:
+            time.sleep(2)
+
+callbacks = [SlowEnding()]
+"""
+
+
+def test_a_trial_tune_stops_at_the_end_of_a_round_records_itself_before_its_actor_ends(cluster: Cluster,
+                                                                                       tmp_path: Path) -> None:
+    """Tune ends a stopped trial's actor once the round is over; the trial must be recorded by then,
+    not killed in its ending, marked stopped and trained again in another round."""
+    space = write_space(tmp_path, epochs=3, model_init=SLOW_ENDING,
+                        space='{"learning_rate": hpsweep.Float(1e-2, 1e-1)}')
+    out = tmp_path / "out"
+    proc = _ray_sweep(cluster, space, out, "--n-trials", "3", "--n-jobs", "1", "--scheduler", "asha",
+                      "--sampler", "random", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    records = runs.read_trials(out)
+    assert [r.number for r in records] == [0, 1, 2] and records[2].state == "pruned", proc.stderr
+    assert len(records[2].history) == 1 and all(r.state in ("complete", "pruned") for r in records)
+    assert all(r.user_attrs["ray_trial_id"] == r.id for r in records)  # each ran once, in the first round
+    assert " stopped " not in proc.stderr and len(list((out / ".ray").iterdir())) == 1  # one Tune round
+
+
 def test_pbt_restores_trials_from_checkpoints(cluster: Cluster, tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=4, model_init=SLOW_MODEL_INIT)
     (tmp_path / "slow").touch()  # trials long enough to run side by side, so PBT has a population to compare

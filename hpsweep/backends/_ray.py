@@ -63,13 +63,13 @@ from ._base import Backend, SearchSettings
 from ._ray_cluster import (collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value,
                            shipped_record, stop_file)
 from ._ray_search import VariantGenerator, mode, native_space, scheduler, search_algorithm, tune_space
-from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, train_trial
+from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, trainable
 
 EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
 # How long the driver waits, after a round, for its actors to record their trials' endings (after a
-# stop, those on this host; always, the runs shipped from nodes without --output-dir): Tune
-# force-kills an actor 10 s after asking it to stop (see _ray_trial._InFlight).
+# stop, those on this host; always, the runs shipped from nodes without --output-dir): a stopped
+# trial's actor waits up to 8 s for its ending (see _ray_trial.trainable).
 ENDINGS_WAIT_S = 15.0
 DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died before it is recorded failed
 
@@ -231,8 +231,8 @@ class RayBackend(Backend):
             storage_path=self.storage_path, verbose=0, stop=stopper,
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
             checkpoint_config=tune.CheckpointConfig(num_to_keep=keep), progress_reporter=None, log_to_file=False)
-        trainable = tune.with_resources(tune.with_parameters(train_trial, runner=runner, plan=plan), self.resources)
-        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
+        tuner = tune.Tuner(tune.with_resources(trainable(runner, plan), self.resources), param_space=param_space,
+                           tune_config=tune_config, run_config=run_config)
         with signals.tune_running():
             results = tuner.fit()
         trials = results._experiment_analysis.trials

@@ -18,9 +18,10 @@ On a node that does not see ``--output-dir`` there is no ledger to lock: the tri
 a lease in a node-local folder shipped through Ray's storage (`NodeLocalRuns`), and the driver's
 round size alone keeps the count.
 
-Tune stops a trial without waiting for its function (``session.finish(timeout=0)``) and then ends
-the actor: the trial's own ending (its record, the lease, a node-local folder shipped) runs on a
-daemon thread the actor's exit would cut short. `_InFlight` holds the actor's exit until it is done.
+Tune stops a trial without waiting for its function (``session.finish(timeout=0)``) and, at the
+end of a round, ends the actor: the trial's own ending (its record, the lease, a node-local folder
+shipped) runs on a daemon thread the actor's exit would cut short. The trainable Tune gets
+(`trainable`) waits for that ending in its ``stop``; `_InFlight` also holds the actor's exit.
 """
 from __future__ import annotations
 
@@ -175,7 +176,9 @@ def objective_metrics(objective: Any) -> dict[str, float]:
 class _InFlight:
     """The trial functions still running in this actor process; at the actor's exit (Tune's
     ``__ray_terminate__`` runs ``atexit`` handlers) waits up to `ENDING_WAIT_S` for them to end.
-    Tune force-kills an actor 10 s after it asked it to stop: the wait stays under that."""
+    Tune force-kills an actor 10 s after it asked it to stop: the waits stay under that. The raylet
+    kills the process ~200 ms after the actor leaves, so the wait that counts is `trainable`'s,
+    in the actor's ``stop``; this one is for an exit without it."""
 
     ENDING_WAIT_S = 8.0
 
@@ -204,6 +207,29 @@ class _InFlight:
 
 
 _IN_FLIGHT = _InFlight()
+
+
+def trainable(runner: Any, plan: RoundPlan) -> type:
+    """The Tune trainable of a round: the function trainable Tune makes of `train_trial`, whose
+    ``cleanup`` (what its ``stop`` runs) gives a trial Tune stopped up to `_InFlight.ENDING_WAIT_S`
+    to end before Tune's own ``session.finish(timeout=0)``.
+
+    A trial told to stop inside `ray.tune.report` (a scheduler's decision, the sweep's stop) still
+    has its ending to run. Without the wait, a stopped trial still ending when the round ended
+    (slow callbacks, a slow MLflow server, a folder to ship) was killed with its actor, recorded
+    ``stopped`` and trained again in the next round.
+    """
+    from ray.train._internal.session import get_session
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    base = wrap_function(tune.with_parameters(train_trial, runner=runner, plan=plan), name="train_trial")
+
+    class Trainable(base):  # type: ignore[misc, valid-type]
+        def cleanup(self) -> None:
+            get_session().finish(timeout=_InFlight.ENDING_WAIT_S)  # lets the trial leave report() and end
+            super().cleanup()
+
+    return Trainable
 
 
 def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
