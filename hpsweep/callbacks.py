@@ -68,9 +68,15 @@ class TrainerState:
     def from_dict(cls, data: Mapping[str, Any]) -> TrainerState:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
+    def evaluations(self) -> list[dict[str, Any]]:
+        """The evaluations in ``log_history``: the entries with ``eval_*`` metrics (with or without
+        ``eval_loss``: several eval datasets log ``eval_<name>_loss``; a custom `prediction_step`
+        may give no loss)."""
+        return [h for h in self.log_history if any(k.startswith("eval_") for k in h)]
+
     def eval_metrics(self, *, best: bool = False) -> dict[str, float]:
         """The latest evaluation's metrics; with ``best``, those of the best checkpoint's evaluation."""
-        evals = [h for h in self.log_history if "eval_loss" in h]
+        evals = self.evaluations()
         if not evals:
             return {}
         chosen = evals[-1]
@@ -212,7 +218,9 @@ class EarlyStoppingCallback(TrainerCallback):
 
 
 class MetricCallback(TrainerCallback):
-    """Add ``eval_<name>`` = ``metric_fn(predictions, labels)`` to every evaluation.
+    """Add ``eval_<name>`` = ``metric_fn(predictions, labels)`` to every evaluation
+    (``eval_<dataset>_<name>`` for each of several eval datasets; ``evaluate``'s
+    ``metric_key_prefix`` in place of ``eval``).
 
     For metrics that are not differentiable (accuracy, F1, BLEU):
 
@@ -226,12 +234,17 @@ class MetricCallback(TrainerCallback):
         self.name = name or getattr(metric_fn, "__name__", "metric")
 
     def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: dict[str, float],
-                    eval_prediction: EvalPrediction | None = None, **kwargs: Any) -> None:
-        if eval_prediction is None:
-            raise UserError(f"MetricCallback({self.name!r}) needs predictions, but the model's output has no logits; "
-                            "return {'loss': ..., 'logits': ...} from forward")
-        key = self.name if self.name.startswith("eval_") else f"eval_{self.name}"
-        metrics[key] = float(self.metric_fn(eval_prediction.predictions, eval_prediction.label_ids))
+                    eval_prediction: EvalPrediction | Mapping[str, EvalPrediction | None] | None = None,
+                    metric_key_prefix: str = "eval", **kwargs: Any) -> None:
+        name = self.name.removeprefix("eval_")
+        # several eval datasets: a prediction per dataset, and the metric of each (eval_<dataset>_<name>)
+        parts = eval_prediction.items() if isinstance(eval_prediction, Mapping) else [(None, eval_prediction)]
+        for dataset, prediction in parts:
+            if prediction is None:
+                raise UserError(f"MetricCallback({self.name!r}) needs predictions, but the model's output has no "
+                                "logits; return {'loss': ..., 'logits': ...} from forward")
+            key = f"{metric_key_prefix}_{dataset}_{name}" if dataset is not None else f"{metric_key_prefix}_{name}"
+            metrics[key] = float(self.metric_fn(prediction.predictions, prediction.label_ids))
 
 
 class TrialReporter(TrainerCallback):

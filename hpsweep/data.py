@@ -47,6 +47,11 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 # --- the columns a model takes ----------------------------------------------------------------------
 
+def is_several_datasets(dataset: Any) -> bool:
+    """``{name: dataset}``, transformers' way to evaluate on several datasets (a ``DatasetDict`` too)."""
+    return isinstance(dataset, Mapping) and not is_hf_dataset(dataset)
+
+
 def forward_parameters(model: Any) -> list[str]:
     """The named parameters of ``model.forward`` (``**kwargs`` names none)."""
     try:

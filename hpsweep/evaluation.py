@@ -16,7 +16,7 @@ import torch
 
 from .accel import is_prepared_loader, make_accelerator
 from .callbacks import PredictionOutput
-from .data import batch_labels, batch_size, label_names_for
+from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
 from .predictions import PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
 
@@ -35,17 +35,41 @@ class Evaluation:
         `MetricCallback` adds its metric there) and logs them (`log`: ``log_history``, ``on_log``).
 
         ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
-        (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them.
+
+        Several datasets, as transformers takes them (``{"val": ..., "test": ...}``, as
+        ``eval_dataset`` here or in the Trainer), give ``<prefix>_<name>_*`` metrics for each, in
+        one evaluation: one ``on_evaluate`` (one report to a trial's pruner) and one log entry,
+        where transformers makes one per dataset. A name picks one of the Trainer's datasets."""
+        dataset = resolve_dataset(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        if isinstance(dataset, str):
+            dataset = self._named_eval_dataset(dataset)
         if dataset is None:
             raise UserError("no eval_dataset to evaluate on; give the Trainer an eval_dataset, or set "
                             "eval_strategy='no' and an objective that needs no evaluation")
-        metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
+        if is_several_datasets(dataset):
+            if not dataset:
+                raise UserError("eval_dataset is an empty dict; give it {name: dataset} entries")
+            metrics, prediction = {}, {}
+            for name, part in dataset.items():
+                part_metrics, prediction[name] = self._evaluation(resolve_dataset(part), ignore_keys,
+                                                                  f"{metric_key_prefix}_{name}", predicting=False)
+                metrics.update(part_metrics)
+        else:
+            metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
         self.state.num_evaluations += 1
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
-                           eval_prediction=prediction)
+                           eval_prediction=prediction, metric_key_prefix=metric_key_prefix)
         self.log(metrics)  # as transformers does; after on_evaluate, with the metrics a MetricCallback added
         return metrics
+
+    def _named_eval_dataset(self, name: str) -> Any:
+        datasets = resolve_dataset(self.eval_dataset)
+        if not is_several_datasets(datasets) or name not in datasets:
+            known = f"its datasets are {', '.join(map(repr, datasets))}" if is_several_datasets(datasets) else \
+                "its eval_dataset is not a dict of datasets"
+            raise UserError(f"evaluate({name!r}) names no eval dataset of the Trainer; {known}")
+        return resolve_dataset(datasets[name])
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:

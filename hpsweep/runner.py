@@ -234,12 +234,12 @@ def _trial_args(job: SweepJob, params: Mapping[str, Any], run_dir: Path) -> Trai
 
 
 def _eval_history(trainer: Any) -> list[dict[str, Any]]:
-    return [h for h in trainer.state.log_history if "eval_loss" in h]
+    return trainer.state.evaluations()
 
 
 def _final_metrics(trainer: Any) -> dict[str, float]:
     """The metrics of the model as training left it; evaluates once more if the last step was not."""
-    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    evals = trainer.state.evaluations()
     best_loaded = trainer.args.load_best_model_at_end and trainer.state.best_model_checkpoint
     if not best_loaded and (not evals or evals[-1]["step"] != trainer.state.global_step):
         trainer.evaluate()

@@ -317,3 +317,34 @@ def test_a_dataset_with_no_column_the_model_takes_says_to_tokenize(tmp_path: Pat
     trainer = hpsweep.Trainer(model=BagOfWords(), args=args(tmp_path), train_dataset=raw)
     with pytest.raises(UserError, match="none of its columns .* tokenize the text first"):
         trainer.train()
+
+
+def test_several_eval_datasets_are_one_evaluation_with_a_prefix_each(tmp_path: Path) -> None:
+    near, far = rows(64, 2), rows(64, 3)
+    errors = hpsweep.MetricCallback(lambda p, y: float((p.argmax(-1) != y).sum()), name="errors")
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(96, 1),
+                              eval_dataset={"near": near, "far": far}, compute_metrics=accuracy, callbacks=[errors])
+    metrics = trainer.train().metrics
+    evaluations = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
+    assert trainer.state.num_evaluations == len(evaluations) == 2  # one per epoch, both datasets in it
+    assert sorted(k for k in evaluations[-1] if k.startswith("eval_")) == [
+        "eval_far_accuracy", "eval_far_errors", "eval_far_loss", "eval_near_accuracy", "eval_near_errors",
+        "eval_near_loss"]
+    assert metrics["eval_far_errors"] == round((1 - metrics["eval_far_accuracy"]) * 64)
+    # each dataset's part is what evaluating it alone gives; a name picks one, as in transformers
+    alone = trainer.evaluate(far, metric_key_prefix="eval_far")
+    assert {k: v for k, v in metrics.items() if k.startswith("eval_far")} == pytest.approx(alone)
+    assert trainer.evaluate("far") == pytest.approx({k.replace("_far", ""): v for k, v in alone.items()})
+    with pytest.raises(UserError, match="its datasets are 'near', 'far'"):
+        trainer.evaluate("val")
+
+
+def test_a_sweep_over_several_eval_datasets_reports_once_per_evaluation(tmp_path: Path) -> None:
+    trainer = hpsweep.Trainer(model_init=lambda trial: Net(), args=args(tmp_path, eval_strategy="epoch"),
+                              train_dataset=rows(96, 1), eval_dataset={"near": rows(64, 2), "far": rows(64, 3)},
+                              compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=2,
+                                         direction="maximize", objective="eval_far_accuracy", show_progress=False)
+    records = hpsweep.runs.read_trials(tmp_path)
+    assert all(len(r.history) == 2 and r.objective == r.history[-1]["eval_far_accuracy"] for r in records)
+    assert best.objective == max(r.objective for r in records)
