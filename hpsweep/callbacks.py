@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import UserError, did_you_mean
+from .objective import SPEED_SUFFIXES
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_before_backward",
@@ -311,8 +312,8 @@ class ProgressCallback(TrainerCallback):
     def on_log(self, args: Any, state: TrainerState, control: TrainerControl, *, logs: Mapping[str, float],
                **kwargs: Any) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, info=" ".join(f"{k}={v:.4g}" for k, v in logs.items()
-                                                            if isinstance(v, float)))
+            self._progress.update(self._task, info=" ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)
+                                                            and k != "epoch" and not k.endswith(SPEED_SUFFIXES)))
 
     def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._progress is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from .accel import is_prepared_loader, make_accelerator
 from .callbacks import PredictionOutput
 from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
+from .hf import speed_metrics
 from .predictions import PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
 
 
@@ -86,7 +88,9 @@ class Evaluation:
     def _evaluation(self, dataset: Any, ignore_keys: list[str] | None, prefix: str,
                     predicting: bool) -> tuple[dict[str, float], Any]:
         """One pass over ``dataset`` without gradients: its ``<prefix>_*`` metrics and the gathered
-        predictions (None when nobody needs them)."""
+        predictions (None when nobody needs them). The metrics end, as transformers' do, with the
+        pass's ``<prefix>_runtime``, ``_samples_per_second`` and ``_steps_per_second``."""
+        started = time.time()
         acc = getattr(self, "accelerator", None) or make_accelerator(self.args)
         self.accelerator = acc
         if getattr(self, "model_wrapped", None) is None:
@@ -107,13 +111,16 @@ class Evaluation:
             preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
         step = functools.partial(self.prediction_step, prediction_loss_only=not collector.enabled,
                                  ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped))
-        loss = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
+        loss, batches = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
         labelled = prediction is not None and prediction.label_ids is not None
         # transformers' predict computes no metrics without labels; an evaluation needs them
         if self.compute_metrics is not None and (labelled or not predicting):
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
+        data = getattr(dl, "dataset", None)
+        samples = len(data) if hasattr(data, "__len__") else batches * (getattr(dl, "total_batch_size", None) or 1)
+        metrics.update(speed_metrics(prefix, started, steps=batches, samples=samples))
         return metrics, prediction
 
     # --- transformers' override points (see Trainer) --------------------------------------------------
@@ -168,11 +175,11 @@ class Evaluation:
 
 
 def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tuple[Any, Any, Any]],
-                    collector: PredictionCollector, precision: Any) -> float | None:
+                    collector: PredictionCollector, precision: Any) -> tuple[float | None, int]:
     """The mean loss over ``dataloader`` (per sample; None when no batch had one, as a test set
-    without labels); ``collector`` gathers what ``step(model, batch) -> (loss, logits, labels)``
-    (`Evaluation.prediction_step`) returns meanwhile."""
-    total, count = None, 0
+    without labels) and the number of batches; ``collector`` gathers what ``step(model, batch) ->
+    (loss, logits, labels)`` (`Evaluation.prediction_step`) returns meanwhile."""
+    total, count, batches = None, 0, 0
     was_training = model.training
     model.eval()
     try:
@@ -180,6 +187,7 @@ def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tupl
             for batch in dataloader:
                 loss, logits, labels = step(model, batch)
                 size = batch_size(batch)
+                batches += 1
                 if loss is not None:
                     if collector.accelerator.num_processes > 1:
                         # Every process's batch, without the samples accelerate repeats to even out the last ones.
@@ -195,7 +203,7 @@ def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tupl
                 collector.add(batch, labels, loss, size, logits)
     finally:
         model.train(was_training)
-    return float(total) / max(count, 1) if total is not None else None
+    return (float(total) / max(count, 1) if total is not None else None), batches
 
 
 def full_eval_precision(args: Any, device: torch.device) -> Any:

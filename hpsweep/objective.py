@@ -14,7 +14,7 @@ from typing import Any
 from .errors import UserError
 
 _NOT_METRICS = ("eval_loss", "epoch", "step")
-_SPEED_SUFFIXES = ("_runtime", "_per_second", "_compilation_time")
+SPEED_SUFFIXES = ("_runtime", "_per_second", "_compilation_time")
 
 
 class DefaultObjective:
@@ -26,7 +26,7 @@ class DefaultObjective:
         self.__name__ = "default_compute_objective"
 
     def __call__(self, metrics: Mapping[str, float]) -> float:
-        others = [v for k, v in metrics.items() if k not in _NOT_METRICS and not k.endswith(_SPEED_SUFFIXES)]
+        others = [v for k, v in metrics.items() if k not in _NOT_METRICS and not k.endswith(SPEED_SUFFIXES)]
         if others:
             return float(sum(others))
         if self.maximize:

@@ -342,11 +342,12 @@ class Trainer(Checkpointing, Evaluation):
         return running_loss, logged_steps
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Append ``logs`` (with the epoch and step) to ``state.log_history`` and hand them to the
-        ``on_log`` callbacks. ``start_time`` is transformers' parameter, for the input-token
-        throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does not count."""
-        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
-        self.state.log_history.append(entry)
+        """Hand ``logs`` with the epoch to the ``on_log`` callbacks and append them, with the step too,
+        to ``state.log_history``, as transformers does. ``start_time`` is transformers' parameter, for
+        the input-token throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does
+        not count."""
+        logs = {**logs, "epoch": round(self.state.epoch, 4)}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
         self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 
     def _track_best(self, metrics: Mapping[str, float]) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import optuna
 import pytest
 
+from hpsweep.objective import SPEED_SUFFIXES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The Ctrl-C tests send SIGINT to the commands they start, as a terminal does. A shell that runs the
@@ -67,6 +69,11 @@ def model_init(trial):
 '''
 DEFAULT_SPACE = ('{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
                  '"hidden": hpsweep.Int(8, 32, step=8)}')
+
+
+def timeless(metrics: dict) -> dict:
+    """``metrics`` without the ``*_runtime`` / ``*_per_second`` ones, which no two runs share."""
+    return {k: v for k, v in metrics.items() if not k.endswith(SPEED_SUFFIXES)}
 
 
 def write_space(folder: Path, *, name: str = "space.py", space: str = DEFAULT_SPACE,

@@ -19,6 +19,8 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Ber
 
 from hpsweep import Trainer, TrainingArguments  # was: from transformers import Trainer, TrainingArguments
 
+from conftest import timeless
+
 POSITIVE = "good great fine lovely superb".split()
 NEGATIVE = "bad awful poor dreadful grim".split()
 FILLER = "the a film plot actor scene was is very quite movie story".split()
@@ -135,7 +137,7 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
         h["eval_accuracy"] for h in trainer.state.log_history[:-1] if "eval_accuracy" in h]  # all but evaluate()'s
     test = sentences(48, seed=3).map(preprocess_function, batched=True)
     blind = trainer.predict(test.remove_columns("label"))
-    assert blind.label_ids is None and blind.metrics == {}
+    assert blind.label_ids is None and timeless(blind.metrics) == {} and blind.metrics["test_runtime"] > 0
     features = test.remove_columns(["text", "label"])
     saved = AutoModelForSequenceClassification.from_pretrained(final).eval()  # what save_model() wrote
     with torch.no_grad():  # the logits the saved model gives, batch by batch

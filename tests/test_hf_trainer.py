@@ -12,6 +12,7 @@ from torch import nn
 
 import hpsweep
 from hpsweep import TrainingArguments, UserError
+from conftest import timeless
 
 W = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
 
@@ -57,7 +58,7 @@ def test_tuples_model_outputs_and_dicts_evaluate_alike(tmp_path: Path) -> None:
     for kind in ("tuple", "model_output", "dict"):
         trainer = hpsweep.Trainer(model_init=lambda kind=kind: Net(kind), args=args(tmp_path / kind),
                                   train_dataset=rows(96, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy)
-        results[kind] = {k: v for k, v in trainer.train().metrics.items() if k.startswith("eval_")}
+        results[kind] = {k: v for k, v in timeless(trainer.train().metrics).items() if k.startswith("eval_")}
     assert results["tuple"] == results["model_output"] == results["dict"]
     assert results["tuple"]["eval_accuracy"] > 0.4
 
@@ -171,10 +172,10 @@ def test_predict_returns_what_the_model_predicts_with_labels_and_test_metrics(tm
         seen: list = []
 
         def on_evaluate(self, args, state, control, metrics, **kwargs):
-            self.seen.append(("evaluate", sorted(metrics)))
+            self.seen.append(("evaluate", sorted(timeless(metrics))))
 
         def on_predict(self, args, state, control, metrics, **kwargs):
-            self.seen.append(("predict", sorted(metrics)))
+            self.seen.append(("predict", sorted(timeless(metrics))))
 
     test = rows(50, 4)  # not a multiple of the batch size (32)
     x, y = torch.stack([r["x"] for r in test]), torch.tensor([r["labels"] for r in test])
@@ -192,12 +193,12 @@ def test_predict_returns_what_the_model_predicts_with_labels_and_test_metrics(tm
             expected = trainer.model.eval().net(x).numpy()
         assert predictions.shape == (50, 4) and np.allclose(predictions, expected, atol=1e-6)
         assert np.array_equal(label_ids, y.numpy())
-        assert set(metrics) == {"test_loss", "test_accuracy"}
+        assert set(timeless(metrics)) == {"test_loss", "test_accuracy"}
         assert metrics["test_accuracy"] == float((expected.argmax(-1) == y.numpy()).mean())
         # the same numbers evaluate gives under that prefix; predicting is no evaluation to prune on
         assert Events.seen[-1] == ("predict", ["test_accuracy", "test_loss"])
         assert trainer.state.log_history == history and trainer.state.num_evaluations == evaluations
-        assert trainer.evaluate(test, metric_key_prefix="test") == pytest.approx(metrics)
+        assert timeless(trainer.evaluate(test, metric_key_prefix="test")) == pytest.approx(timeless(metrics))
         assert Events.seen[-1] == ("evaluate", ["test_accuracy", "test_loss"])
 
 
@@ -218,7 +219,7 @@ def test_predict_on_a_test_set_without_labels(tmp_path: Path) -> None:
                                   train_dataset=rows(96, 1), compute_metrics=accuracy)
         trainer.train()
         blind = trainer.predict(unlabelled)
-        assert blind.label_ids is None and blind.metrics == {}  # no loss, and compute_metrics needs labels
+        assert blind.label_ids is None and timeless(blind.metrics) == {}  # no loss, and compute_metrics needs labels
         assert np.allclose(blind.predictions, trainer.predict(labelled).predictions)
         # a plain tensor dataset of inputs only, as a test split often is
         inputs = torch.utils.data.TensorDataset(torch.stack([r["x"] for r in labelled]))
@@ -242,7 +243,7 @@ def test_predict_with_two_outputs_and_two_label_names(tmp_path: Path) -> None:
     assert len(predictions) == 2 and np.allclose(predictions[1], 2 * predictions[0])
     assert np.allclose(label_ids[0], [d["labels"] for d in data], atol=1e-5)
     assert np.allclose(label_ids[1], [d["labels_2"] for d in data], atol=1e-5)
-    assert set(metrics) == {"test_loss"} and metrics["test_loss"] > 0
+    assert set(timeless(metrics)) == {"test_loss"} and metrics["test_loss"] > 0
 
 # --- datasets and tokenizers ---------------------------------------------------------------------
 
@@ -327,14 +328,15 @@ def test_several_eval_datasets_are_one_evaluation_with_a_prefix_each(tmp_path: P
     metrics = trainer.train().metrics
     evaluations = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
     assert trainer.state.num_evaluations == len(evaluations) == 2  # one per epoch, both datasets in it
-    assert sorted(k for k in evaluations[-1] if k.startswith("eval_")) == [
+    assert sorted(k for k in timeless(evaluations[-1]) if k.startswith("eval_")) == [
         "eval_far_accuracy", "eval_far_errors", "eval_far_loss", "eval_near_accuracy", "eval_near_errors",
         "eval_near_loss"]
     assert metrics["eval_far_errors"] == round((1 - metrics["eval_far_accuracy"]) * 64)
     # each dataset's part is what evaluating it alone gives; a name picks one, as in transformers
-    alone = trainer.evaluate(far, metric_key_prefix="eval_far")
-    assert {k: v for k, v in metrics.items() if k.startswith("eval_far")} == pytest.approx(alone)
-    assert trainer.evaluate("far") == pytest.approx({k.replace("_far", ""): v for k, v in alone.items()})
+    alone = timeless(trainer.evaluate(far, metric_key_prefix="eval_far"))
+    assert {k: v for k, v in timeless(metrics).items() if k.startswith("eval_far")} == pytest.approx(alone)
+    assert timeless(trainer.evaluate("far")) == pytest.approx({k.replace("_far", ""): v for k, v in alone.items()})
+    assert metrics["eval_far_samples_per_second"] > 0 and metrics["eval_near_runtime"] > 0
     with pytest.raises(UserError, match="its datasets are 'near', 'far'"):
         trainer.evaluate("val")
 
@@ -348,3 +350,26 @@ def test_a_sweep_over_several_eval_datasets_reports_once_per_evaluation(tmp_path
     records = hpsweep.runs.read_trials(tmp_path)
     assert all(len(r.history) == 2 and r.objective == r.history[-1]["eval_far_accuracy"] for r in records)
     assert best.objective == max(r.objective for r in records)
+
+
+def test_evaluate_and_predict_report_their_speed_and_on_log_sees_the_epoch(tmp_path: Path) -> None:
+    seen = []
+
+    class Logs(hpsweep.TrainerCallback):
+        def on_log(self, args, state, control, *, logs, **kwargs):
+            seen.append(dict(logs))
+
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(96, 1),
+                              eval_dataset=rows(640, 2), compute_metrics=accuracy, callbacks=[Logs()])
+    trainer.train()
+    # transformers' speed metrics: 640 rows in 20 batches of 32; 100 test rows in 4
+    for metrics, split, samples, steps in ((trainer.evaluate(), "eval", 640, 20),
+                                          (trainer.predict(rows(100, 3)).metrics, "test", 100, 4)):
+        runtime = metrics[f"{split}_runtime"]
+        assert runtime > 0
+        assert metrics[f"{split}_samples_per_second"] == pytest.approx(samples / runtime, rel=0.05)
+        assert metrics[f"{split}_steps_per_second"] == pytest.approx(steps / runtime, rel=0.05)
+    # as transformers' on_log does, every entry carries the epoch; log_history adds the step
+    evaluations = [logs for logs in seen if "eval_accuracy" in logs]
+    assert [logs["epoch"] for logs in evaluations] == [1.0, 2.0, 2.0]
+    assert trainer.state.log_history[-1] == {**seen[-1], "step": trainer.state.global_step}

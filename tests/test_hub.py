@@ -49,6 +49,10 @@ def test_run_pushes_the_best_run_and_push_republishes_it(hub: FakeHub, tmp_path:
     assert meta["objective"] == {"name": "eval_accuracy", "value": best["objective"], "direction": "maximize"}
     assert meta["hyperparameters"] == best["hyperparameters"]
     assert meta["n_trials"] == 3 and meta["backend"] == "optuna"
+    # the model's metrics, not how fast this machine evaluated it
+    assert meta["metrics"]["eval_accuracy"] == best["objective"] and "eval_loss" in meta["metrics"]
+    assert "eval_runtime" in best["run_summary"]["metrics"] and not any("_per_second" in k or "_runtime" in k
+                                                                       for k in meta["metrics"])
     card = files["README.md"].decode()
     assert "### Top 3 trials" in card and "## Training log" in card and "tester/tiny-mlp" in card
 

@@ -23,6 +23,7 @@ from typing import Any
 from .. import runs
 from ..callbacks import TrainerCallback
 from ..errors import UserError
+from ..objective import SPEED_SUFFIXES
 from ..sweep import SweepCallback
 from . import is_secret_name, scrub
 
@@ -139,7 +140,9 @@ def model_card(best: runs.BestRun, records: Sequence[runs.TrialRecord], folder: 
     summary = best.run_summary
     name = summary.get("objective_name", "objective")
     directions = summary.get("directions", ["minimize"])
-    metrics = {k: v for k, v in (summary.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    # the model's metrics; how fast this machine evaluated is no property of the model (transformers' cards agree)
+    metrics = {k: v for k, v in (summary.get("metrics") or {}).items()
+               if isinstance(v, (int, float)) and not k.endswith(SPEED_SUFFIXES)}
     params = scrub(best.hyperparameters)
     states = [r.state for r in records]
     is_transformers = (folder / "config.json").exists()

@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import runs
 from ..errors import UserError
+from ..objective import SPEED_SUFFIXES
 
 REPORT_FILE = "report.html"
 _STATES = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL", "stopped": "FAIL"}
@@ -177,7 +178,7 @@ def best_html(best: Any) -> str:
     items = best if isinstance(best, list) else [best]
     parts = []
     for b in items:
-        metrics = b.run_summary.get("metrics") or {}
+        metrics = {k: v for k, v in (b.run_summary.get("metrics") or {}).items() if not k.endswith(SPEED_SUFFIXES)}
         rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
                        for k, v in [*b.hyperparameters.items(), *metrics.items()])
         parts.append(f"<h3>{html.escape(Path(b.run_dir).name)} (trial {b.run_summary.get('number', '?')}): "
