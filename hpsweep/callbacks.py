@@ -157,6 +157,9 @@ class CallbackHandler:
     def add(self, callback: TrainerCallback) -> None:
         self.__init__([*self.callbacks, callback])  # type: ignore[misc]
 
+    def remove(self, callback: TrainerCallback) -> None:
+        self.__init__([cb for cb in self.callbacks if cb is not callback])  # type: ignore[misc]
+
     def needs_predictions(self) -> bool:
         return any(cb.needs_predictions for cb in self.callbacks)
 

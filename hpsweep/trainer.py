@@ -130,8 +130,29 @@ class Trainer(Checkpointing, Evaluation):
     def _default_callbacks(self) -> list[TrainerCallback]:
         return [] if self.args.disable_progress else [ProgressCallback()]
 
-    def add_callback(self, callback: TrainerCallback) -> None:
+    @property
+    def callback_handler(self) -> CallbackHandler:
+        """The trainer's callbacks (``.callbacks``), as transformers names them."""
+        return self._handler
+
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance, or a class to instantiate), here and in every trial of a sweep."""
+        callback = callback() if isinstance(callback, type) else callback
+        self.user_callbacks.append(callback)
         self._handler.add(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        """Remove ``callback`` (an instance, or the first one of a class) and return it; None if there is none."""
+        found = next((cb for cb in self._handler.callbacks
+                      if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)), None)
+        if found is not None:
+            self._handler.remove(found)
+            self.user_callbacks = [cb for cb in self.user_callbacks if cb is not found]
+        return found
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove ``callback`` (an instance, or the first one of a class), as `pop_callback` does."""
+        self.pop_callback(callback)
 
     # --- setup -------------------------------------------------------------------------------------
 

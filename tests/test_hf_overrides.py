@@ -179,3 +179,31 @@ def test_a_log_override_with_transformers_signature_sees_every_log(tmp_path: Pat
     assert [sorted(timeless(x)) for x in Logged.seen] == [["learning_rate", "loss"], ["eval_loss"]] * 2
     assert [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in trainer.state.log_history] == \
         Logged.seen
+
+
+def test_callbacks_are_added_popped_and_removed_as_in_transformers_and_reach_every_trial(tmp_path: Path) -> None:
+    class Count(hpsweep.TrainerCallback):
+        def __init__(self) -> None:
+            self.trainings = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trainings += 1
+
+    class Never(hpsweep.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            raise AssertionError("a removed callback was called")
+
+    trainer = hpsweep.Trainer(model_init=lambda trial: Net(), args=args(tmp_path, eval_strategy="epoch"),
+                              train_dataset=rows(64, 1), eval_dataset=rows(32, 2), compute_metrics=accuracy,
+                              callbacks=[Never()])
+    trainer.add_callback(Count)  # a class is instantiated, as transformers does
+    count = trainer.callback_handler.callbacks[-1]
+    assert isinstance(count, Count)
+    never = trainer.pop_callback(Never)  # the first of a class, returned
+    assert isinstance(never, Never) and trainer.pop_callback(Never) is None
+    trainer.add_callback(never)
+    trainer.remove_callback(never)  # an instance
+    assert not any(isinstance(cb, Never) for cb in trainer.callback_handler.callbacks)
+    trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=2,
+                                  direction="maximize", show_progress=False)
+    assert count.trainings == 2  # a callback added after construction is in every trial, as in transformers
