@@ -13,6 +13,7 @@ implementation.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -30,29 +31,53 @@ _ADAM_LIKE = {"AdamW", "Adam", "Adamax", "NAdam", "RAdam"}
 
 
 def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    """``args.optim`` over the trainable params; no weight decay on biases and norms.
+    """``args.optim`` over the trainable params; no weight decay on biases and norms
+    (`decay_parameter_names`, transformers' rule).
 
     Without weight decay (the default) the params are one group: two groups that differ in
     nothing give the same updates bit for bit, and cost a second pass of the optimizer's
     per-group work each step (~4% of a small model's step here, bench/README.md)."""
+    names = set(decay_parameter_names(model))
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+            (decay if name in names else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if not args.weight_decay:
         groups = [{"params": decay + no_decay, "weight_decay": 0.0}]
+    cls, kwargs = optimizer_cls_and_kwargs(args, decay + no_decay)
+    return cls(groups, **kwargs)
+
+
+def optimizer_cls_and_kwargs(args: TrainingArguments, params: list[torch.Tensor] | None = None) -> tuple[type, dict]:
+    """The optimizer class ``args.optim`` names and its keyword arguments from ``args``, as
+    transformers' ``Trainer.get_optimizer_cls_and_kwargs``. The default, ``adamw``, takes the fused
+    kernel when ``params`` are given and all have one (without them, torch's default kernel)."""
     if args.optim == "adafactor":
-        return _adafactor(groups, args)
+        return _adafactor(), {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False}
     cls_name = _TORCH_CLASSES[args.optim]
     kwargs: dict[str, Any] = {"lr": args.learning_rate}
     if cls_name in _ADAM_LIKE:
         kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     elif cls_name in ("SGD", "RMSprop"):
         kwargs["momentum"] = args.momentum
-    if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and _fusable(decay + no_decay)):
+    if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and params is not None and _fusable(params)):
         kwargs["fused"] = True
-    return getattr(torch.optim, cls_name)(groups, **kwargs)
+    return getattr(torch.optim, cls_name), kwargs
+
+
+#: What transformers' ``Trainer.get_decay_parameter_names`` leaves out of weight decay, by name.
+_NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def decay_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The names of the params that take weight decay, by transformers' rule: all but those in a
+    ``LayerNorm`` and those whose name (lower-cased) says bias, layernorm, rmsnorm or norm."""
+    in_layer_norm = {f"{prefix}.{name}" if prefix else name
+                     for prefix, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
+                     for name, _ in module.named_parameters()}
+    return [name for name, _ in model.named_parameters()
+            if name not in in_layer_norm and not _NO_DECAY_NAMES.search(name.lower())]
 
 
 #: Where torch.optim has fused Adam kernels (torch.optim.optimizer._get_fused_kernels_supported_devices).
@@ -66,13 +91,13 @@ def _fusable(params: list[torch.Tensor]) -> bool:
                                 and p.device.type in _FUSED_DEVICES for p in params)
 
 
-def _adafactor(groups: list[dict[str, Any]], args: TrainingArguments) -> torch.optim.Optimizer:
-    """transformers' Adafactor with an external learning rate, as its Trainer builds it."""
+def _adafactor() -> type:
+    """transformers' Adafactor (the Trainer gives it an external learning rate)."""
     try:
         from transformers.optimization import Adafactor
     except ImportError:
         raise UserError("optim='adafactor' is transformers' Adafactor; install it: pip install transformers") from None
-    return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
+    return Adafactor
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,

@@ -206,6 +206,19 @@ class Trainer(Checkpointing, Evaluation):
             self.optimizer = optim.create_optimizer(self.model, self.args)
         return self.optimizer
 
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """The names of ``model``'s params that take weight decay (transformers' rule: not biases,
+        not norms), for a `create_optimizer` override that builds its own param groups."""
+        return optim.decay_parameter_names(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:
+        """The optimizer class ``args.optim`` names and its keyword arguments (learning rate, betas,
+        ...), as transformers returns them; with ``model``, the default takes torch's fused kernel
+        where the params have one, as `create_optimizer` does."""
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else None
+        return optim.optimizer_cls_and_kwargs(as_training_arguments(args), params)
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """``self.lr_scheduler`` (``args.lr_scheduler_type`` with warmup), built when it is None."""
         if self.lr_scheduler is None:

@@ -207,3 +207,46 @@ def test_callbacks_are_added_popped_and_removed_as_in_transformers_and_reach_eve
     trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=2,
                                   direction="maximize", show_progress=False)
     assert count.trainings == 2  # a callback added after construction is in every trial, as in transformers
+
+
+class GroupedAdamW(hpsweep.Trainer):
+    """The custom optimizer of transformers' docs and of many a fine-tuning script: its own param
+    groups from get_decay_parameter_names, its class and arguments from get_optimizer_cls_and_kwargs."""
+
+    def create_optimizer(self):
+        decay = self.get_decay_parameter_names(self.model)
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+        optimizer_cls, optimizer_kwargs = hpsweep.Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+def test_transformers_custom_optimizer_recipe_trains_as_the_default_optimizer(tmp_path: Path) -> None:
+    common = dict(model_init=Net, train_dataset=rows(96, 1))
+    custom = GroupedAdamW(**common, args=args(tmp_path / "custom", weight_decay=0.1, eval_strategy="no"))
+    default = hpsweep.Trainer(**common, args=args(tmp_path / "default", weight_decay=0.1, eval_strategy="no"))
+    got, expected = trained(custom), trained(default)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert custom.optimizer.defaults.get("fused") is True  # the default's kernel, with the model given
+    assert [g["weight_decay"] for g in custom.optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_decay_parameter_names_follow_transformers_rule(tmp_path: Path) -> None:
+    import transformers
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32))
+    odd = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4), "ln": torch.nn.LayerNorm(4),
+                               "bn": torch.nn.BatchNorm1d(4), "final_norm": torch.nn.Linear(4, 4)})
+    for model in (bert, odd):
+        ours = hpsweep.Trainer.get_decay_parameter_names(None, model)
+        assert sorted(ours) == sorted(transformers.Trainer.get_decay_parameter_names(None, model))
+    assert sorted(hpsweep.Trainer.get_decay_parameter_names(None, odd)) == ["bn.weight", "proj.weight"]
+    # the default optimizer decays the same params
+    trainer = hpsweep.Trainer(model=odd, args=args(tmp_path, weight_decay=0.1, eval_strategy="no"))
+    decayed, not_decayed = trainer.create_optimizer().param_groups
+    assert [id(p) for p in decayed["params"]] == [id(odd["proj"].weight), id(odd["bn"].weight)]
+    assert decayed["weight_decay"] == 0.1 and not_decayed["weight_decay"] == 0.0
