@@ -23,10 +23,12 @@ from .objective import SPEED_SUFFIXES
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_before_backward",
-    "on_after_backward", "on_before_optimizer_step", "on_optimizer_step", "on_substep_end",
-    "on_step_end", "on_evaluate", "on_save", "on_log", "on_epoch_end", "on_exception", "on_train_end",
-    "on_predict",
+    "on_after_backward", "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end",
+    "on_step_end", "on_evaluate", "on_prediction_step", "on_save", "on_log", "on_epoch_end", "on_exception",
+    "on_train_end", "on_predict",
 )
+#: Other names an event answers to: hpsweep 0.1 called transformers' on_pre_optimizer_step so.
+ALIASES = {"on_pre_optimizer_step": ("on_before_optimizer_step",)}
 
 
 class EvalPrediction(NamedTuple):
@@ -140,8 +142,16 @@ def _noop(self: TrainerCallback, args: Any, state: TrainerState, control: Traine
     return None
 
 
-for _event in EVENTS:
+for _event in (*EVENTS, *(name for names in ALIASES.values() for name in names)):
     setattr(TrainerCallback, _event, _noop)
+
+
+def _overrides(callback: Any, event: str) -> bool:
+    """Whether ``callback``'s class defines ``event`` beyond a base class's no-op (ours, or that of
+    transformers' ``TrainerCallback``, which a callback written for transformers subclasses)."""
+    method = getattr(type(callback), event, _noop)
+    return method is not _noop and not (getattr(method, "__module__", None) == "transformers.trainer_callback"
+                                        and method.__qualname__ == f"TrainerCallback.{event}")
 
 
 class CallbackHandler:
@@ -150,7 +160,8 @@ class CallbackHandler:
     def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
         self.callbacks = list(callbacks)
         self._listeners = {
-            event: [getattr(cb, event) for cb in self.callbacks if getattr(type(cb), event, _noop) is not _noop]
+            event: [getattr(cb, name) for cb in self.callbacks for name in (event, *ALIASES.get(event, ()))
+                    if _overrides(cb, name)]
             for event in EVENTS
         }
 
@@ -160,12 +171,17 @@ class CallbackHandler:
     def remove(self, callback: TrainerCallback) -> None:
         self.__init__([cb for cb in self.callbacks if cb is not callback])  # type: ignore[misc]
 
+    def listens(self, event: str) -> bool:
+        """Whether a callback overrides ``event`` (so that firing it per batch costs nothing otherwise)."""
+        return bool(self._listeners[event])
+
+    # A transformers callback has none of hpsweep's attributes; it gets their defaults.
     def needs_predictions(self) -> bool:
-        return any(cb.needs_predictions for cb in self.callbacks)
+        return any(getattr(cb, "needs_predictions", False) for cb in self.callbacks)
 
     def reads_checkpoints(self) -> bool:
         """Whether a callback's `on_save` may read the checkpoint folder (so it must be on disk)."""
-        return any(cb.reads_checkpoints for cb in self.callbacks if type(cb).on_save is not _noop)
+        return any(getattr(cb, "reads_checkpoints", True) for cb in self.callbacks if _overrides(cb, "on_save"))
 
     def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         for listener in self._listeners[event]:
@@ -175,14 +191,14 @@ class CallbackHandler:
     def state_dicts(self) -> dict[str, Any]:
         out = {}
         for cb in self.callbacks:
-            sd = cb.state_dict()
+            sd = cb.state_dict() if hasattr(cb, "state_dict") else None
             if sd is not None:
                 out[type(cb).__name__] = sd
         return out
 
     def load_state_dicts(self, states: Mapping[str, Any]) -> None:
         for cb in self.callbacks:
-            if type(cb).__name__ in states:
+            if type(cb).__name__ in states and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(states[type(cb).__name__])
 
 

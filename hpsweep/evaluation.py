@@ -111,6 +111,8 @@ class Evaluation:
             preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
         step = functools.partial(self.prediction_step, prediction_loss_only=not collector.enabled,
                                  ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped))
+        if self._handler.listens("on_prediction_step"):
+            step = functools.partial(_then_fire, step, self._handler, self)
         loss, batches = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
@@ -204,6 +206,13 @@ def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tupl
     finally:
         model.train(was_training)
     return (float(total) / max(count, 1) if total is not None else None), batches
+
+
+def _then_fire(step: Callable[..., Any], handler: Any, trainer: Any, model: Any, batch: Any) -> Any:
+    """``step(model, batch)``, then ``on_prediction_step``, as transformers fires it after each batch."""
+    out = step(model, batch)
+    handler.fire("on_prediction_step", trainer.args, trainer.state, trainer.control)
+    return out
 
 
 def full_eval_precision(args: Any, device: torch.device) -> Any:

@@ -140,6 +140,7 @@ def trainer_components(callbacks: list[Any], *, processing_class: Any, tokenizer
     if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
         raise UserError("Trainer got both tokenizer= and processing_class=; pass the tokenizer once, as "
                         "processing_class=")
+    callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]  # a class is instantiated, as there
     carried = next((cb for cb in callbacks if isinstance(cb, HFComponents)), HFComponents())
     components = HFComponents(
         processing_class=_first(processing_class, tokenizer, carried.processing_class),

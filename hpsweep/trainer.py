@@ -312,7 +312,7 @@ class Trainer(Checkpointing, Evaluation):
                         if synced:
                             if args.max_grad_norm > 0:
                                 ops.clip(model.parameters(), args.max_grad_norm)
-                            handler.fire("on_before_optimizer_step", args, state, control)
+                            handler.fire("on_pre_optimizer_step", args, state, control)
                         ops.optimizer_step()  # accelerate skips it while accumulating
                         ops.scheduler_step()
                         if synced:

@@ -195,8 +195,8 @@ def test_callbacks_are_added_popped_and_removed_as_in_transformers_and_reach_eve
 
     trainer = hpsweep.Trainer(model_init=lambda trial: Net(), args=args(tmp_path, eval_strategy="epoch"),
                               train_dataset=rows(64, 1), eval_dataset=rows(32, 2), compute_metrics=accuracy,
-                              callbacks=[Never()])
-    trainer.add_callback(Count)  # a class is instantiated, as transformers does
+                              callbacks=[Never])
+    trainer.add_callback(Count)  # a class is instantiated, here as in the constructor, as transformers does
     count = trainer.callback_handler.callbacks[-1]
     assert isinstance(count, Count)
     never = trainer.pop_callback(Never)  # the first of a class, returned
@@ -250,3 +250,46 @@ def test_decay_parameter_names_follow_transformers_rule(tmp_path: Path) -> None:
     decayed, not_decayed = trainer.create_optimizer().param_groups
     assert [id(p) for p in decayed["params"]] == [id(odd["proj"].weight), id(odd["bn"].weight)]
     assert decayed["weight_decay"] == 0.1 and not_decayed["weight_decay"] == 0.0
+
+
+def test_a_transformers_callback_hears_every_event_it_overrides(tmp_path: Path) -> None:
+    import transformers
+
+    class Events(transformers.TrainerCallback):  # transformers' own base class, names and signatures
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.events.append("step_begin")
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.events.append("pre_optimizer_step")
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.events.append("optimizer_step")
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            self.events.append("prediction_step")
+
+        def on_evaluate(self, args, state, control, metrics, **kwargs):
+            self.events.append("evaluate")
+
+    class Legacy(hpsweep.TrainerCallback):  # hpsweep 0.1's name for on_pre_optimizer_step
+        calls = 0
+
+        def on_before_optimizer_step(self, args, state, control, **kwargs):
+            Legacy.calls += 1
+
+    events = Events()
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="epoch", save_strategy="epoch",
+                                                        num_train_epochs=2),
+                              train_dataset=rows(64, 1), eval_dataset=rows(40, 2), callbacks=[events, Legacy()])
+    trainer.train()
+    assert (tmp_path / "checkpoint-8" / "model.safetensors").is_file()  # checkpoints with a transformers callback
+    # per epoch: 4 steps (64 rows in batches of 16), then an evaluation of 2 batches (40 rows in batches of 32)
+    epoch = ["step_begin", "pre_optimizer_step", "optimizer_step"] * 4 + ["prediction_step"] * 2 + ["evaluate"]
+    assert events.events == epoch * 2
+    assert Legacy.calls == trainer.state.global_step == 8
+    events.events.clear()
+    trainer.predict(rows(70, 3))
+    assert events.events == ["prediction_step"] * 3
