@@ -157,8 +157,10 @@ def _overrides(callback: Any, event: str) -> bool:
 class CallbackHandler:
     """Calls an event on every callback in order; skips callbacks that do not override it."""
 
-    def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
+    def __init__(self, callbacks: Sequence[TrainerCallback],
+                 context: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.callbacks = list(callbacks)
+        self._context = context  # what every event hands its callbacks besides its own keywords
         self._listeners = {
             event: [getattr(cb, name) for cb in self.callbacks for name in (event, *ALIASES.get(event, ()))
                     if _overrides(cb, name)]
@@ -166,10 +168,10 @@ class CallbackHandler:
         }
 
     def add(self, callback: TrainerCallback) -> None:
-        self.__init__([*self.callbacks, callback])  # type: ignore[misc]
+        self.__init__([*self.callbacks, callback], self._context)  # type: ignore[misc]
 
     def remove(self, callback: TrainerCallback) -> None:
-        self.__init__([cb for cb in self.callbacks if cb is not callback])  # type: ignore[misc]
+        self.__init__([cb for cb in self.callbacks if cb is not callback], self._context)  # type: ignore[misc]
 
     def listens(self, event: str) -> bool:
         """Whether a callback overrides ``event`` (so that firing it per batch costs nothing otherwise)."""
@@ -184,7 +186,10 @@ class CallbackHandler:
         return any(getattr(cb, "reads_checkpoints", True) for cb in self.callbacks if _overrides(cb, "on_save"))
 
     def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
-        for listener in self._listeners[event]:
+        listeners = self._listeners[event]
+        if listeners and self._context is not None:
+            kwargs = {**self._context(), **kwargs}
+        for listener in listeners:
             listener(args, state, control, **kwargs)
         return control
 

@@ -101,6 +101,7 @@ class Evaluation:
         dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
         if not is_prepared_loader(dl):  # an override's own DataLoader
             dl = acc.prepare(dl)
+        self._eval_dataloader = dl
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(0)  # every evaluation reads the data as the first one did
         unwrapped = acc.unwrap_model(model)

@@ -33,7 +33,7 @@ from typing import Any
 
 # ``_step_ops`` holds the run's optimizer and scheduler through their bound ``step`` methods.
 _TRAINER_REFS = ("model", "model_wrapped", "optimizer", "lr_scheduler", "accelerator", "model_init", "optimizers",
-                 "_step_ops")
+                 "_step_ops", "_train_dataloader", "_eval_dataloader")
 
 
 def release(trainer: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -107,7 +108,7 @@ class Trainer(Checkpointing, Evaluation):
         self._columns_removed: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.state = TrainerState()
         self.control = TrainerControl()
-        self._handler = CallbackHandler(self._default_callbacks() + self.user_callbacks)
+        self._handler = CallbackHandler(self._default_callbacks() + self.user_callbacks, _context_of(weakref.ref(self)))
         self._handler.fire("on_init_end", self.args, self.state, self.control)
 
     @property
@@ -126,6 +127,12 @@ class Trainer(Checkpointing, Evaluation):
 
     # transformers' reporting conveniences, bound as transformers binds its own (hpsweep/hf.py)
     from .hf import is_local_process_zero, is_world_process_zero, log_metrics, save_metrics, save_state
+
+    def _callback_context(self) -> dict[str, Any]:
+        """What every event hands the callbacks, as transformers' handler does."""
+        return {"model": self.model, "processing_class": self.processing_class, "optimizer": self.optimizer,
+                "lr_scheduler": self.lr_scheduler, "train_dataloader": getattr(self, "_train_dataloader", None),
+                "eval_dataloader": getattr(self, "_eval_dataloader", None)}
 
     def _default_callbacks(self) -> list[TrainerCallback]:
         return [] if self.args.disable_progress else [ProgressCallback()]
@@ -269,6 +276,7 @@ class Trainer(Checkpointing, Evaluation):
             self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
                 self.model, self.optimizer, train_dl, self.lr_scheduler)
         model = self.model_wrapped
+        self._train_dataloader = train_dl
         if acc.num_processes > 1:  # max_steps counts optimizer steps: one schedule step each, not one per process
             self.lr_scheduler.split_batches = True
         self._step_ops = ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
@@ -449,3 +457,12 @@ class Trainer(Checkpointing, Evaluation):
                       objective=objective if objective is not None else compute_objective,
                       backend=backend or "optuna", hp_name=hp_name, **backend_options)
 
+
+def _context_of(trainer: weakref.ref) -> Callable[[], dict[str, Any]]:
+    """The trainer's `_callback_context`, through a weak reference: its callback handler must not
+    keep it (and its model) alive in a cycle."""
+    def context() -> dict[str, Any]:
+        owner = trainer()
+        return owner._callback_context() if owner is not None else {}
+
+    return context

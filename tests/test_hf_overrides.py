@@ -293,3 +293,28 @@ def test_a_transformers_callback_hears_every_event_it_overrides(tmp_path: Path) 
     events.events.clear()
     trainer.predict(rows(70, 3))
     assert events.events == ["prediction_step"] * 3
+
+
+def test_callbacks_get_the_model_optimizer_and_loaders_as_transformers_hands_them(tmp_path: Path) -> None:
+    import transformers
+
+    class Keeps(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                           train_dataloader=None, **kwargs):
+            self.begin = (model, optimizer, lr_scheduler, len(train_dataloader))
+
+        def on_evaluate(self, args, state, control, metrics=None, eval_dataloader=None, **kwargs):
+            self.eval_batches = len(eval_dataloader)
+
+        def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self.end = (model, processing_class)
+
+    keeps = Keeps()
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(64, 1),
+                              eval_dataset=rows(40, 2), callbacks=[keeps])
+    trainer.train()
+    model, optimizer, scheduler, train_batches = keeps.begin
+    assert model is trainer.model and isinstance(model, Net)
+    assert optimizer is trainer.optimizer and scheduler is trainer.lr_scheduler
+    assert (train_batches, keeps.eval_batches) == (4, 2)  # 64 rows in batches of 16; 40 in batches of 32
+    assert keeps.end == (trainer.model, None)
