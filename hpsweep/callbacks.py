@@ -63,6 +63,16 @@ class TrainerState:
     trial_number: int | None = None
     trial_params: dict[str, Any] | None = None
     callbacks: dict[str, Any] = field(default_factory=dict)
+    # transformers' fields that its callbacks read
+    best_global_step: int | None = None
+    logging_steps: int | None = None  # the arguments' *_steps (None where unset)
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    train_batch_size: int | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None  # a sweep's run folder
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -285,7 +285,12 @@ class Trainer(Checkpointing, Evaluation):
         self.state = state = TrainerState(max_steps=max_steps, steps_per_epoch=steps_per_epoch,
                                           num_train_epochs=math.ceil(max_steps / steps_per_epoch),
                                           trial_number=getattr(trial, "number", None),
-                                          trial_params=dict(trial.params) if trial is not None else None)
+                                          trial_params=dict(trial.params) if trial is not None else None,
+                                          logging_steps=args.logging_steps, eval_steps=args.eval_steps,
+                                          save_steps=args.save_steps, train_batch_size=args.per_device_train_batch_size,
+                                          is_local_process_zero=acc.is_local_main_process,
+                                          is_world_process_zero=acc.is_main_process, is_hyper_param_search=trial is not None,
+                                          trial_name=Path(args.output_dir).name if trial is not None else None)
         rng_state = self._load_checkpoint(checkpoint) if checkpoint is not None else None
         self.control = control = TrainerControl()
         self._checkpoint_writer = runs.CheckpointWriter()
@@ -407,6 +412,7 @@ class Trainer(Checkpointing, Evaluation):
         if runs.is_better(value, self.state.best_metric, "maximize" if greater else "minimize"):
             self.state.best_metric = value
             self.state.best_model_checkpoint = str(self._checkpoint_dir())
+            self.state.best_global_step = self.state.global_step
 
     # --- the loss -----------------------------------------------------------------------------------
 

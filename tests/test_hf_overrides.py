@@ -318,3 +318,29 @@ def test_callbacks_get_the_model_optimizer_and_loaders_as_transformers_hands_the
     assert optimizer is trainer.optimizer and scheduler is trainer.lr_scheduler
     assert (train_batches, keeps.eval_batches) == (4, 2)  # 64 rows in batches of 16; 40 in batches of 32
     assert keeps.end == (trainer.model, None)
+
+
+def test_trainer_state_holds_what_transformers_callbacks_read(tmp_path: Path) -> None:
+    import transformers
+
+    class Seen(transformers.TrainerCallback):
+        states: list[tuple] = []
+
+        def on_train_end(self, args, state, control, **kwargs):
+            Seen.states.append((state.is_world_process_zero, state.is_local_process_zero, state.is_hyper_param_search,
+                                state.trial_name, state.best_global_step, state.train_batch_size))
+
+    trainer = hpsweep.Trainer(model_init=lambda trial: Net(),
+                              args=args(tmp_path / "alone", eval_strategy="epoch", save_strategy="epoch",
+                                        metric_for_best_model="eval_loss"),
+                              train_dataset=rows(64, 1), eval_dataset=rows(32, 2), callbacks=[Seen])
+    trainer.train()
+    best_step = int(trainer.state.best_model_checkpoint.rpartition("-")[2])
+    assert Seen.states == [(True, True, False, None, best_step, 16)]
+    trainer.args.output_dir = str(tmp_path / "sweep")
+    trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=2,
+                                  show_progress=False)
+    trials = Seen.states[1:]
+    assert all(searching for _, _, searching, *_ in trials)
+    assert [name for _, _, _, name, *_ in trials] == [Path(r.run_dir).name for r in hpsweep.runs.read_trials(
+        tmp_path / "sweep")]  # a trial's name is its run folder's
