@@ -344,3 +344,18 @@ def test_trainer_state_holds_what_transformers_callbacks_read(tmp_path: Path) ->
     assert all(searching for _, _, searching, *_ in trials)
     assert [name for _, _, _, name, *_ in trials] == [Path(r.run_dir).name for r in hpsweep.runs.read_trials(
         tmp_path / "sweep")]  # a trial's name is its run folder's
+
+
+def test_transformers_own_callbacks_run_on_hpsweeps_trainer(tmp_path: Path, capsys) -> None:
+    import transformers
+
+    stop = transformers.EarlyStoppingCallback(early_stopping_patience=2)
+    run_args = args(tmp_path, eval_strategy="epoch", save_strategy="epoch", num_train_epochs=20,
+                    load_best_model_at_end=True, metric_for_best_model="eval_accuracy", greater_is_better=True)
+    run_args.learning_rate = 1e-7  # learns nothing: the accuracy never improves on the first evaluation's
+    trainer = hpsweep.Trainer(model_init=Net, args=run_args, train_dataset=rows(64, 1), eval_dataset=rows(32, 2),
+                              compute_metrics=accuracy, callbacks=[stop, transformers.ProgressCallback])
+    trainer.train()
+    assert trainer.state.global_step == 3 * 4  # the best at epoch 1, then 2 evaluations without a gain
+    assert stop.early_stopping_patience_counter == 2
+    assert "'eval_accuracy'" in capsys.readouterr().out  # transformers' progress bar printed the logs
