@@ -10,6 +10,7 @@ is handed over.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -191,12 +192,17 @@ def is_local_process_zero(self: Any) -> bool:
     return PartialState().is_local_main_process
 
 
+def metrics_format(self: Any, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` as transformers prints them: floats to 4 decimals, ``*_runtime`` as h:mm:ss.cc."""
+    return {key: _shown(key, value) for key, value in metrics.items()}
+
+
 def log_metrics(self: Any, split: str, metrics: Mapping[str, Any]) -> None:
     """Print ``metrics`` under ``***** <split> metrics *****``, one aligned line each, in
-    transformers' format: floats to 4 decimals, ``*_runtime`` as h:mm:ss.cc."""
+    transformers' format (`metrics_format`)."""
     if not self.is_world_process_zero():
         return
-    shown = {key: _shown(key, value) for key, value in metrics.items()}
+    shown = self.metrics_format(metrics)
     key_width = max((len(str(k)) for k in shown), default=0)
     value_width = max((len(str(v)) for v in shown.values()), default=0)
     print(f"***** {split} metrics *****")
@@ -227,6 +233,37 @@ def save_state(self: Any) -> None:
     if not self.is_world_process_zero():
         return
     write_json(Path(self.args.output_dir) / "trainer_state.json", self.state.to_dict())
+
+
+def get_num_trainable_parameters(self: Any) -> int:
+    """How many parameters of the model train."""
+    return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+
+def get_learning_rates(self: Any) -> list[float]:
+    """The learning rate of each of the optimizer's param groups now."""
+    if self.optimizer is None:
+        raise UserError("the trainer has no optimizer yet; call get_learning_rates during or after train()")
+    return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def num_examples(self: Any, dataloader: Any) -> int:
+    """The number of samples ``dataloader`` reads: its dataset's length, else its batches times the batch size."""
+    try:
+        return len(dataloader.dataset)
+    except (AttributeError, TypeError):
+        return len(dataloader) * self.args.per_device_train_batch_size
+
+
+def compute_loss_context_manager(self: Any) -> contextlib.AbstractContextManager:
+    """What transformers' ``training_step`` wraps ``compute_loss`` in; a no-op, as there: accelerate
+    applies mixed precision to the model's forward (a ``training_step`` copied from transformers runs)."""
+    return self.autocast_smart_context_manager()
+
+
+def autocast_smart_context_manager(self: Any, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+    """transformers' autocast helper: a no-op, as there, because accelerate does the autocast."""
+    return contextlib.nullcontext()
 
 
 def speed_metrics(split: str, started: float, *, steps: int, samples: int) -> dict[str, float]:

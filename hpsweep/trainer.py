@@ -126,7 +126,9 @@ class Trainer(Checkpointing, Evaluation):
         return self._components.compute_loss_func
 
     # transformers' reporting conveniences, bound as transformers binds its own (hpsweep/hf.py)
-    from .hf import is_local_process_zero, is_world_process_zero, log_metrics, save_metrics, save_state
+    from .hf import (autocast_smart_context_manager, compute_loss_context_manager, get_learning_rates,
+                     get_num_trainable_parameters, is_local_process_zero, is_world_process_zero, log_metrics,
+                     metrics_format, num_examples, save_metrics, save_state)
 
     def _callback_context(self) -> dict[str, Any]:
         """What every event hands the callbacks, as transformers' handler does."""

@@ -125,7 +125,9 @@ def test_an_hf_style_training_step_trains_the_same_weights(tmp_path: Path) -> No
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             HFStyle.steps += 1
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            model.train()
+            with self.compute_loss_context_manager():  # as transformers' own training_step reads
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             self.accelerator.backward(loss)
             return 2 * loss.detach()  # what the loop logs
 
@@ -359,3 +361,23 @@ def test_transformers_own_callbacks_run_on_hpsweeps_trainer(tmp_path: Path, caps
     assert trainer.state.global_step == 3 * 4  # the best at epoch 1, then 2 evaluations without a gain
     assert stop.early_stopping_patience_counter == 2
     assert "'eval_accuracy'" in capsys.readouterr().out  # transformers' progress bar printed the logs
+
+
+def test_transformers_helper_methods(tmp_path: Path) -> None:
+    rates = []
+
+    class Rates(hpsweep.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            rates.append(trainer.get_learning_rates())
+
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="no"), train_dataset=rows(64, 1),
+                              callbacks=[Rates()])
+    with pytest.raises(UserError, match="no optimizer yet"):
+        trainer.get_learning_rates()
+    trainer.train()
+    # linear decay from 5e-2 over 8 steps, one param group
+    assert [r for (r,) in rates] == pytest.approx([5e-2 * (1 - s / 8) for s in range(1, 9)])
+    assert trainer.get_num_trainable_parameters() == sum(p.numel() for p in trainer.model.parameters())
+    assert trainer.num_examples(trainer.get_train_dataloader()) == 64
+    assert trainer.metrics_format({"eval_runtime": 3725.5, "eval_loss": 0.123456, "epoch": 2}) == {
+        "eval_runtime": "1:02:05.50", "eval_loss": 0.1235, "epoch": 2}
