@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import TrainingArguments
-from .callbacks import (EarlyStoppingCallback, EvalPrediction, MetricCallback, PredictionOutput, ProgressCallback,
-                        TrainerCallback, TrainerControl, TrainerState)
+from .callbacks import (EarlyStoppingCallback, EvalLoopOutput, EvalPrediction, MetricCallback, PredictionOutput,
+                        ProgressCallback, TrainerCallback, TrainerControl, TrainerState)
 from .errors import TrialPruned, UserError
 from .runs import BestRun, TrialRecord
 from .space import Categorical, Float, Int
@@ -27,6 +27,7 @@ def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used
     raise AttributeError(f"module 'hpsweep' has no attribute {name!r}")
 
 
-__all__ = ["BestRun", "Categorical", "EarlyStoppingCallback", "EvalPrediction", "Float", "Int", "MetricCallback",
-           "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback", "TrainerControl",
-           "TrainerState", "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError", "run"]
+__all__ = ["BestRun", "Categorical", "EarlyStoppingCallback", "EvalLoopOutput", "EvalPrediction", "Float", "Int",
+           "MetricCallback", "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback",
+           "TrainerControl", "TrainerState", "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError",
+           "run"]

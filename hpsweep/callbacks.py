@@ -38,6 +38,16 @@ class EvalPrediction(NamedTuple):
     label_ids: Any
 
 
+class EvalLoopOutput(NamedTuple):
+    """What ``Trainer.evaluation_loop`` returns, as transformers' does: the predictions and labels
+    (None when not gathered or absent), the ``<prefix>_*`` metrics and the number of samples."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+    num_samples: int
+
+
 class PredictionOutput(NamedTuple):
     """What ``Trainer.predict`` returns, as transformers' does: the predictions, the labels (None
     when the dataset has none) and the metrics (``test_*``)."""
@@ -196,6 +206,8 @@ class CallbackHandler:
         return any(getattr(cb, "reads_checkpoints", True) for cb in self.callbacks if _overrides(cb, "on_save"))
 
     def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        if event == "on_evaluate":
+            state.num_evaluations += 1  # counted where callbacks hear of it: an evaluate override's too
         listeners = self._listeners[event]
         if listeners and self._context is not None:
             kwargs = {**self._context(), **kwargs}
@@ -215,6 +227,22 @@ class CallbackHandler:
         for cb in self.callbacks:
             if type(cb).__name__ in states and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(states[type(cb).__name__])
+
+
+def _event_method(event: str, *positional: str) -> Callable[..., TrainerControl]:
+    """``handler.<event>(args, state, control, ...)``, as transformers' handler takes it (its
+    ``on_evaluate`` and ``on_predict`` take ``metrics``, its ``on_log`` ``logs``, by position)."""
+    def call(self: CallbackHandler, args: Any, state: TrainerState, control: TrainerControl, *values: Any,
+             **kwargs: Any) -> TrainerControl:
+        return self.fire(event, args, state, control, **dict(zip(positional, values)), **kwargs)
+
+    call.__name__ = call.__qualname__ = event
+    return call
+
+
+for _event in EVENTS:
+    setattr(CallbackHandler, _event, _event_method(_event, *{"on_evaluate": ("metrics",), "on_predict": ("metrics",),
+                                                             "on_log": ("logs",)}.get(_event, ())))
 
 
 # --- built-in callbacks -----------------------------------------------------------------------------

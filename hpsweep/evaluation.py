@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,11 +17,11 @@ from typing import Any
 import torch
 
 from .accel import is_prepared_loader, make_accelerator
-from .callbacks import PredictionOutput
+from .callbacks import EvalLoopOutput, PredictionOutput
 from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
 from .hf import speed_metrics
-from .predictions import PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
+from .predictions import HFEvalPrediction, PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
 
 
 class Evaluation:
@@ -59,7 +60,6 @@ class Evaluation:
                 metrics.update(part_metrics)
         else:
             metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
-        self.state.num_evaluations += 1
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
                            eval_prediction=prediction, metric_key_prefix=metric_key_prefix)
         self.log(metrics)  # as transformers does; after on_evaluate, with the metrics a MetricCallback added
@@ -91,14 +91,52 @@ class Evaluation:
         predictions (None when nobody needs them). The metrics end, as transformers' do, with the
         pass's ``<prefix>_runtime``, ``_samples_per_second`` and ``_steps_per_second``."""
         started = time.time()
+        self._prepare_for_evaluation()
+        dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
+        collect = predicting or self.compute_metrics is not None or self._handler.needs_predictions()
+        if type(self).evaluation_loop is not Evaluation.evaluation_loop:  # a subclass's own loop, as transformers
+            out = self.evaluation_loop(dl, "Prediction" if predicting else "Evaluation",
+                                       prediction_loss_only=None if collect else True, ignore_keys=ignore_keys,
+                                       metric_key_prefix=prefix)
+            metrics, samples = dict(out.metrics), out.num_samples
+            prediction = HFEvalPrediction(out.predictions, out.label_ids) if out.predictions is not None else None
+        else:
+            metrics, prediction, samples = self._evaluation_pass(dl, ignore_keys, prefix, collect=collect,
+                                                                 metrics_need_labels=predicting)
+        batch = getattr(dl, "total_batch_size", None) or getattr(dl, "batch_size", None) or \
+            self.args.per_device_eval_batch_size
+        metrics.update(speed_metrics(prefix, started, steps=math.ceil(samples / batch), samples=samples))
+        return metrics, prediction
+
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """transformers' loop behind `evaluate` and `predict`, for an override of either that runs
+        it itself (as transformers' question-answering example does): one pass over ``dataloader``,
+        returning ``EvalLoopOutput(predictions, label_ids, metrics, num_samples)``. The predictions
+        are gathered unless ``prediction_loss_only``; ``compute_metrics`` runs when there are labels.
+        A subclass that overrides it decides what `evaluate` and `predict` compute, as in transformers."""
+        self._prepare_for_evaluation()
+        metrics, prediction, samples = self._evaluation_pass(dataloader, ignore_keys, metric_key_prefix,
+                                                             collect=not prediction_loss_only, metrics_need_labels=True)
+        if prediction is None:
+            return EvalLoopOutput(None, None, metrics, samples)
+        return EvalLoopOutput(prediction.predictions, prediction.label_ids, metrics, samples)
+
+    def _prepare_for_evaluation(self) -> None:
+        """The accelerator and the prepared model, made here when no training run made them."""
         acc = getattr(self, "accelerator", None) or make_accelerator(self.args)
         self.accelerator = acc
         if getattr(self, "model_wrapped", None) is None:
             if self.model is None:
                 self.model = self.call_model_init(None)
             self.model_wrapped = acc.prepare(self.model)
-        model = self.model_wrapped
-        dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
+
+    def _evaluation_pass(self, dl: Any, ignore_keys: list[str] | None, prefix: str, *, collect: bool,
+                         metrics_need_labels: bool) -> tuple[dict[str, float], Any, int]:
+        """The pass: ``<prefix>_loss`` and ``compute_metrics``' metrics, the gathered predictions
+        (with ``collect``) and the number of samples. ``compute_metrics`` runs without labels too
+        unless ``metrics_need_labels`` (an evaluation needs them; transformers' predict skips it)."""
+        acc, model = self.accelerator, self.model_wrapped
         if not is_prepared_loader(dl):  # an override's own DataLoader
             dl = acc.prepare(dl)
         self._eval_dataloader = dl
@@ -106,25 +144,21 @@ class Evaluation:
             dl.set_epoch(0)  # every evaluation reads the data as the first one did
         unwrapped = acc.unwrap_model(model)
         self.label_names = label_names_for(unwrapped, self.args.label_names)  # as transformers' Trainer names them
-        collector = PredictionCollector(
-            acc, model=unwrapped,
-            enabled=predicting or self.compute_metrics is not None or self._handler.needs_predictions(),
-            preprocess=self.preprocess_logits_for_metrics, include=self.args.include_for_metrics)
+        collector = PredictionCollector(acc, model=unwrapped, enabled=collect,
+                                        preprocess=self.preprocess_logits_for_metrics,
+                                        include=self.args.include_for_metrics)
         step = functools.partial(self.prediction_step, prediction_loss_only=not collector.enabled,
                                  ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped))
         if self._handler.listens("on_prediction_step"):
             step = functools.partial(_then_fire, step, self._handler, self)
-        loss, batches = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
+        loss, rows = evaluation_loop(model, dl, step, collector, full_eval_precision(self.args, acc.device))
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
         labelled = prediction is not None and prediction.label_ids is not None
-        # transformers' predict computes no metrics without labels; an evaluation needs them
-        if self.compute_metrics is not None and (labelled or not predicting):
+        if self.compute_metrics is not None and (labelled or not metrics_need_labels):
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
         data = getattr(dl, "dataset", None)
-        samples = len(data) if hasattr(data, "__len__") else batches * (getattr(dl, "total_batch_size", None) or 1)
-        metrics.update(speed_metrics(prefix, started, steps=batches, samples=samples))
-        return metrics, prediction
+        return metrics, prediction, len(data) if hasattr(data, "__len__") else rows * acc.num_processes
 
     # --- transformers' override points (see Trainer) --------------------------------------------------
 
@@ -180,9 +214,9 @@ class Evaluation:
 def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tuple[Any, Any, Any]],
                     collector: PredictionCollector, precision: Any) -> tuple[float | None, int]:
     """The mean loss over ``dataloader`` (per sample; None when no batch had one, as a test set
-    without labels) and the number of batches; ``collector`` gathers what ``step(model, batch) ->
-    (loss, logits, labels)`` (`Evaluation.prediction_step`) returns meanwhile."""
-    total, count, batches = None, 0, 0
+    without labels) and the number of rows this process read; ``collector`` gathers what
+    ``step(model, batch) -> (loss, logits, labels)`` (`Evaluation.prediction_step`) returns meanwhile."""
+    total, count, rows = None, 0, 0
     was_training = model.training
     model.eval()
     try:
@@ -190,7 +224,7 @@ def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tupl
             for batch in dataloader:
                 loss, logits, labels = step(model, batch)
                 size = batch_size(batch)
-                batches += 1
+                rows += size
                 if loss is not None:
                     if collector.accelerator.num_processes > 1:
                         # Every process's batch, without the samples accelerate repeats to even out the last ones.
@@ -206,7 +240,7 @@ def evaluation_loop(model: Any, dataloader: Any, step: Callable[[Any, Any], tupl
                 collector.add(batch, labels, loss, size, logits)
     finally:
         model.train(was_training)
-    return (float(total) / max(count, 1) if total is not None else None), batches
+    return (float(total) / max(count, 1) if total is not None else None), rows
 
 
 def _then_fire(step: Callable[..., Any], handler: Any, trainer: Any, model: Any, batch: Any) -> Any:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -381,3 +382,69 @@ def test_transformers_helper_methods(tmp_path: Path) -> None:
     assert trainer.num_examples(trainer.get_train_dataloader()) == 64
     assert trainer.metrics_format({"eval_runtime": 3725.5, "eval_loss": 0.123456, "epoch": 2}) == {
         "eval_runtime": "1:02:05.50", "eval_loss": 0.1235, "epoch": 2}
+
+
+class PostProcessed(hpsweep.Trainer):
+    """The pattern of transformers' question-answering example: evaluate runs evaluation_loop without
+    compute_metrics, post-processes the predictions, then computes, logs and announces the metrics."""
+
+    samples: list[int] = []
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        eval_dataloader = self.get_eval_dataloader(eval_dataset)
+        compute_metrics, self.compute_metrics = self.compute_metrics, None
+        try:
+            output = self.evaluation_loop(eval_dataloader, description="Evaluation",
+                                          prediction_loss_only=True if compute_metrics is None else None,
+                                          ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self.compute_metrics = compute_metrics
+        PostProcessed.samples.append(output.num_samples)
+        ids = output.predictions.argmax(-1)  # the post-processing
+        computed = compute_metrics(hpsweep.EvalPrediction(ids, output.label_ids))
+        metrics = {**output.metrics, **{f"{metric_key_prefix}_{k}": v for k, v in computed.items()}}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+def test_an_evaluate_override_running_evaluation_loop_drives_a_sweep(tmp_path: Path) -> None:
+    def exact(p: hpsweep.EvalPrediction) -> dict:
+        return {"exact": float((p.predictions == p.label_ids).mean())}
+
+    PostProcessed.samples = []
+    trainer = PostProcessed(model_init=lambda trial: Net(), args=args(tmp_path, eval_strategy="epoch"),
+                            train_dataset=rows(64, 1), eval_dataset=rows(40, 2), compute_metrics=exact)
+    best = trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}, n_trials=2,
+                                         direction="maximize", objective="eval_exact", show_progress=False)
+    records = hpsweep.runs.read_trials(tmp_path)
+    # each trial reported both evaluations, with the post-processed metric
+    assert [len(r.history) for r in records] == [2, 2] and all("eval_exact" in h for r in records for h in r.history)
+    assert all(r.objective == r.history[-1]["eval_exact"] and "eval_loss" in r.history[-1] for r in records)
+    assert best.objective == max(r.objective for r in records)
+    assert PostProcessed.samples == [40] * 4
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.journal")))
+    study = optuna.load_study(study_name=None, storage=storage)
+    assert [sorted(t.intermediate_values) for t in study.trials] == [[1, 2]] * 2  # one report per evaluation
+    # the post-processed metric is the accuracy the default evaluation computes
+    trainer.args.output_dir = str(tmp_path / "again")
+    trainer.train()
+    plain = hpsweep.Trainer(model=trainer.model, args=args(tmp_path / "plain"), eval_dataset=rows(40, 2),
+                            compute_metrics=accuracy)
+    assert trainer.evaluate()["eval_exact"] == plain.evaluate()["eval_accuracy"]
+    assert trainer.state.num_evaluations == 3  # the override's evaluations count, as the default's do
+
+
+def test_an_evaluation_loop_override_decides_what_evaluate_returns(tmp_path: Path) -> None:
+    class Counted(hpsweep.Trainer):
+        def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                            metric_key_prefix="eval"):
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            output.metrics[f"{metric_key_prefix}_rows"] = output.num_samples
+            return output
+
+    trainer = Counted(model=Net(), args=args(tmp_path), eval_dataset=rows(40, 2), compute_metrics=accuracy)
+    metrics = trainer.evaluate()
+    assert metrics["eval_rows"] == 40 and "eval_accuracy" in metrics and metrics["eval_runtime"] > 0
+    assert trainer.predict(rows(10, 3)).metrics["test_rows"] == 10
