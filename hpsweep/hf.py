@@ -1,8 +1,10 @@
 """Glue for users of Hugging Face ``transformers``: their ``TrainingArguments`` instances, and the
 Trainer arguments that travel with a model (``processing_class``, ``preprocess_logits_for_metrics``,
-``compute_loss_func``), and the Trainer's reporting conveniences (``log_metrics``,
-``save_metrics``, ``save_state``). Nothing here imports transformers before a transformers object
-is handed over.
+``compute_loss_func``), and the Trainer methods that are transformers' API around the loop: the
+reporting conveniences (``log_metrics``, ``save_metrics``, ``save_state``), callback management
+(``add_callback``, ``pop_callback``, ...), the optimizer helpers (``get_decay_parameter_names``,
+``get_optimizer_cls_and_kwargs``) and the helpers overrides call. Nothing here imports
+transformers before a transformers object is handed over.
 
     >>> args = as_training_arguments(transformers.TrainingArguments("out", learning_rate=1e-3))
     >>> args.learning_rate, type(args).__module__
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import optim
 from .arguments import HF_REFUSED, TrainingArguments, field_types
 from .callbacks import TrainerCallback
 from .errors import UserError
@@ -234,6 +237,53 @@ def save_state(self: Any) -> None:
         return
     write_json(Path(self.args.output_dir) / "trainer_state.json", self.state.to_dict())
 
+
+# --- callbacks ------------------------------------------------------------------------------------
+
+callback_handler = property(lambda self: self._handler, doc="The trainer's callbacks (``.callbacks``), as "
+                                                                "transformers names them.")
+
+
+def add_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> None:
+    """Add a callback (an instance, or a class to instantiate), here and in every trial of a sweep."""
+    callback = callback() if isinstance(callback, type) else callback
+    self.user_callbacks.append(callback)
+    self._handler.add(callback)
+
+
+def pop_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+    """Remove ``callback`` (an instance, or the first one of a class) and return it; None if there is none."""
+    found = next((cb for cb in self._handler.callbacks
+                  if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)), None)
+    if found is not None:
+        self._handler.remove(found)
+        self.user_callbacks = [cb for cb in self.user_callbacks if cb is not found]
+    return found
+
+
+def remove_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> None:
+    """Remove ``callback`` (an instance, or the first one of a class), as `pop_callback` does."""
+    self.pop_callback(callback)
+
+
+# --- the optimizer ---------------------------------------------------------------------------------
+
+def get_decay_parameter_names(self: Any, model: Any) -> list[str]:
+    """The names of ``model``'s params that take weight decay (transformers' rule: not biases, not
+    norms), for a `create_optimizer` override that builds its own param groups."""
+    return optim.decay_parameter_names(model)
+
+
+@staticmethod  # type: ignore[misc]
+def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[type, dict[str, Any]]:
+    """The optimizer class ``args.optim`` names and its keyword arguments (learning rate, betas, ...),
+    as transformers returns them; with ``model``, the default takes torch's fused kernel where the
+    params have one, as the default `create_optimizer` does."""
+    params = [p for p in model.parameters() if p.requires_grad] if model is not None else None
+    return optim.optimizer_cls_and_kwargs(as_training_arguments(args), params)
+
+
+# --- helpers transformers' overrides call ------------------------------------------------------------
 
 def get_num_trainable_parameters(self: Any) -> int:
     """How many parameters of the model train."""

@@ -125,10 +125,12 @@ class Trainer(Checkpointing, Evaluation):
     def compute_loss_func(self) -> Callable[..., Any] | None:
         return self._components.compute_loss_func
 
-    # transformers' reporting conveniences, bound as transformers binds its own (hpsweep/hf.py)
-    from .hf import (autocast_smart_context_manager, compute_loss_context_manager, get_learning_rates,
-                     get_num_trainable_parameters, is_local_process_zero, is_world_process_zero, log_metrics,
-                     metrics_format, num_examples, save_metrics, save_state)
+    # transformers' conveniences (callbacks, optimizer helpers, reporting), bound as transformers
+    # binds its own (hpsweep/hf.py)
+    from .hf import (add_callback, autocast_smart_context_manager, callback_handler, compute_loss_context_manager,
+                     get_decay_parameter_names, get_learning_rates, get_num_trainable_parameters,
+                     get_optimizer_cls_and_kwargs, is_local_process_zero, is_world_process_zero, log_metrics,
+                     metrics_format, num_examples, pop_callback, remove_callback, save_metrics, save_state)
 
     def _callback_context(self) -> dict[str, Any]:
         """What every event hands the callbacks, as transformers' handler does."""
@@ -138,30 +140,6 @@ class Trainer(Checkpointing, Evaluation):
 
     def _default_callbacks(self) -> list[TrainerCallback]:
         return [] if self.args.disable_progress else [ProgressCallback()]
-
-    @property
-    def callback_handler(self) -> CallbackHandler:
-        """The trainer's callbacks (``.callbacks``), as transformers names them."""
-        return self._handler
-
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Add a callback (an instance, or a class to instantiate), here and in every trial of a sweep."""
-        callback = callback() if isinstance(callback, type) else callback
-        self.user_callbacks.append(callback)
-        self._handler.add(callback)
-
-    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
-        """Remove ``callback`` (an instance, or the first one of a class) and return it; None if there is none."""
-        found = next((cb for cb in self._handler.callbacks
-                      if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)), None)
-        if found is not None:
-            self._handler.remove(found)
-            self.user_callbacks = [cb for cb in self.user_callbacks if cb is not found]
-        return found
-
-    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Remove ``callback`` (an instance, or the first one of a class), as `pop_callback` does."""
-        self.pop_callback(callback)
 
     # --- setup -------------------------------------------------------------------------------------
 
@@ -214,19 +192,6 @@ class Trainer(Checkpointing, Evaluation):
         if self.optimizer is None:
             self.optimizer = optim.create_optimizer(self.model, self.args)
         return self.optimizer
-
-    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-        """The names of ``model``'s params that take weight decay (transformers' rule: not biases,
-        not norms), for a `create_optimizer` override that builds its own param groups."""
-        return optim.decay_parameter_names(model)
-
-    @staticmethod
-    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[type, dict[str, Any]]:
-        """The optimizer class ``args.optim`` names and its keyword arguments (learning rate, betas,
-        ...), as transformers returns them; with ``model``, the default takes torch's fused kernel
-        where the params have one, as `create_optimizer` does."""
-        params = [p for p in model.parameters() if p.requires_grad] if model is not None else None
-        return optim.optimizer_cls_and_kwargs(as_training_arguments(args), params)
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """``self.lr_scheduler`` (``args.lr_scheduler_type`` with warmup), built when it is None."""
