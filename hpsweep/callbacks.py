@@ -240,9 +240,10 @@ def _event_method(event: str, *positional: str) -> Callable[..., TrainerControl]
     return call
 
 
+#: The keywords transformers' handler takes by position after ``control``, per event.
+_POSITIONAL = {"on_evaluate": ("metrics",), "on_predict": ("metrics",), "on_log": ("logs",)}
 for _event in EVENTS:
-    setattr(CallbackHandler, _event, _event_method(_event, *{"on_evaluate": ("metrics",), "on_predict": ("metrics",),
-                                                             "on_log": ("logs",)}.get(_event, ())))
+    setattr(CallbackHandler, _event, _event_method(_event, *_POSITIONAL.get(_event, ())))
 
 
 # --- built-in callbacks -----------------------------------------------------------------------------
