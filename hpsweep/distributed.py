@@ -74,7 +74,7 @@ def train_data_parallel(runner: TrialRunner, trial: Trial, built: Any, args: Any
     outcome, or raises the first rank's error (with ``rank`` and ``rank_traceback`` set on it)."""
     import torch
 
-    from .data import resolve_dataset
+    from .data import is_several_datasets, resolve_dataset
 
     if torch.cuda.is_initialized():
         raise UserError("--processes-per-trial: CUDA was initialised in the process that runs the search (model_init "
@@ -82,7 +82,9 @@ def train_data_parallel(runner: TrialRunner, trial: Trial, built: Any, args: Any
                         "it to each process's GPU")
     job = runner.job
     for dataset in (job.train_dataset, job.eval_dataset):
-        resolve_dataset(dataset)  # a dataset factory runs once, here; the ranks inherit what it loaded
+        loaded = resolve_dataset(dataset)  # a dataset factory runs once, here; the ranks inherit what it loaded
+        for part in loaded.values() if is_several_datasets(loaded) else ():
+            resolve_dataset(part)  # and so does each of several eval datasets'
     _preimport()
     group = _RankGroup(job.processes_per_trial)
     try:

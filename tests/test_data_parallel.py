@@ -206,3 +206,25 @@ def test_no_process_of_a_trial_outlives_a_kill_9(tmp_path: Path) -> None:
     records = runs.read_trials(out)
     assert [r.state for r in records] == ["failed", "complete", "complete"]
     assert records[1].attempts == 2 and records[1].resumed_from
+
+
+def test_several_eval_dataset_factories_load_once_for_both_processes(tmp_path: Path) -> None:
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    counted = f'''
+import os
+def _counted(name, seed):
+    def factory():
+        with open(os.path.join({str(loads)!r}, name), "a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        return _data(64, seed)
+    return factory
+eval_dataset = {{"near": _counted("near", 2), "far": _counted("far", 3)}}
+'''
+    space = write_space(tmp_path, objective="eval_far_accuracy", extra=counted)
+    hpsweep_cli("run", space, "--n-trials", "2", "--processes-per-trial", "2", check=True)
+    records = runs.read_trials(tmp_path / "out")
+    assert [r.state for r in records] == ["complete", "complete"]
+    assert all("eval_near_accuracy" in h and "eval_far_accuracy" in h for r in records for h in r.history)
+    # each factory ran once, in the search's process; the ranks inherited what it loaded
+    assert [len((loads / name).read_text().split()) for name in ("near", "far")] == [1, 1]
