@@ -297,10 +297,12 @@ class MetricCallback(TrainerCallback):
         self.metric_fn = metric_fn
         self.name = name or getattr(metric_fn, "__name__", "metric")
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: dict[str, float],
-                    eval_prediction: EvalPrediction | Mapping[str, EvalPrediction | None] | None = None,
-                    metric_key_prefix: str = "eval", **kwargs: Any) -> None:
+    def metrics(self, eval_prediction: EvalPrediction | Mapping[str, EvalPrediction | None] | None,
+                metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The metric of an evaluation's predictions, which `Trainer.evaluate` adds to its metrics
+        before it logs them and announces them (``on_evaluate``): every callback sees it."""
         name = self.name.removeprefix("eval_")
+        metrics = {}
         # several eval datasets: a prediction per dataset, and the metric of each (eval_<dataset>_<name>)
         parts = eval_prediction.items() if isinstance(eval_prediction, Mapping) else [(None, eval_prediction)]
         for dataset, prediction in parts:
@@ -309,6 +311,7 @@ class MetricCallback(TrainerCallback):
                                 "logits; return {'loss': ..., 'logits': ...} from forward")
             key = f"{metric_key_prefix}_{dataset}_{name}" if dataset is not None else f"{metric_key_prefix}_{name}"
             metrics[key] = float(self.metric_fn(prediction.predictions, prediction.label_ids))
+        return metrics
 
 
 class TrialReporter(TrainerCallback):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .accel import is_prepared_loader, make_accelerator
-from .callbacks import EvalLoopOutput, PredictionOutput
+from .callbacks import EvalLoopOutput, MetricCallback, PredictionOutput
 from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
 from .hf import speed_metrics
@@ -34,8 +34,9 @@ class Evaluation:
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate on ``eval_dataset`` (the Trainer's by default); returns ``eval_*`` metrics
-        (``<metric_key_prefix>_*``), hands them to ``on_evaluate`` callbacks (a trial's pruner; a
-        `MetricCallback` adds its metric there) and logs them (`log`: ``log_history``, ``on_log``).
+        (``<metric_key_prefix>_*``, with every `MetricCallback`'s metric), logs them (`log`:
+        ``log_history``, ``on_log``) and hands them to ``on_evaluate`` callbacks (a trial's pruner),
+        in transformers' order.
 
         ``compute_metrics`` gets the predictions (all the model returned but the loss) and the labels
         (``label_names``, else the forward's ``*label*`` parameters), as transformers hands them.
@@ -60,9 +61,12 @@ class Evaluation:
                 metrics.update(part_metrics)
         else:
             metrics, prediction = self._evaluation(dataset, ignore_keys, metric_key_prefix, predicting=False)
+        for callback in self._handler.callbacks:
+            if isinstance(callback, MetricCallback):
+                metrics.update(callback.metrics(prediction, metric_key_prefix))
+        self.log(metrics)
         self._handler.fire("on_evaluate", self.args, self.state, self.control, metrics=metrics,
                            eval_prediction=prediction, metric_key_prefix=metric_key_prefix)
-        self.log(metrics)  # as transformers does; after on_evaluate, with the metrics a MetricCallback added
         return metrics
 
     def _named_eval_dataset(self, name: str) -> Any:

@@ -448,3 +448,24 @@ def test_an_evaluation_loop_override_decides_what_evaluate_returns(tmp_path: Pat
     metrics = trainer.evaluate()
     assert metrics["eval_rows"] == 40 and "eval_accuracy" in metrics and metrics["eval_runtime"] > 0
     assert trainer.predict(rows(10, 3)).metrics["test_rows"] == 10
+
+
+def test_an_evaluation_is_logged_before_on_evaluate_as_in_transformers(tmp_path: Path) -> None:
+    import transformers
+
+    class LatestLog(transformers.TrainerCallback):  # listed before the MetricCallback, on purpose
+        seen: list[tuple[dict, dict]] = []
+
+        def on_evaluate(self, args, state, control, metrics, **kwargs):
+            LatestLog.seen.append((dict(state.log_history[-1]), dict(metrics)))
+
+    errors = hpsweep.MetricCallback(lambda p, y: float((p.argmax(-1) != y).sum()), name="errors")
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(64, 1),
+                              eval_dataset=rows(40, 2), compute_metrics=accuracy, callbacks=[LatestLog(), errors])
+    trainer.train()
+    assert len(LatestLog.seen) == 2
+    for logged, metrics in LatestLog.seen:
+        # the entry transformers' callbacks find at the end of log_history is this evaluation's,
+        # with the MetricCallback's metric in it, whatever the order of the callbacks
+        assert {k: v for k, v in logged.items() if k not in ("epoch", "step")} == metrics
+        assert metrics["eval_errors"] == round((1 - metrics["eval_accuracy"]) * 40)
