@@ -2,20 +2,15 @@
 ``hpsweep run --backend ray --address HOST:PORT``, then a look at what is on disk."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -24,73 +19,14 @@ import pytest
 from hpsweep import runs
 
 from conftest import hpsweep_cli, write_space
+from ray_nodes import Cluster, free_port, ray_nodes
 from sweep_invariants import violations
 from test_data_parallel import RANK_LOG, rank_steps
-
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-@dataclass
-class Cluster:
-    address: str
-    env: dict[str, str]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_processes_under(marker: str) -> None:
-    """Stop the Ray processes of this cluster only (found by its temp dir), never other people's."""
-    mine = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
-    everything = {p.pid: p for p in mine}
-    for p in mine:
-        try:
-            everything.update({c.pid: c for c in p.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
-    for p in everything.values():
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(everything.values()), timeout=3)  # some of Ray's ignore SIGTERM
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-@contextlib.contextmanager
-def _start_cluster(worker_env: dict[str, str] | None = None, worker_args: tuple[str, ...] = ()) -> Iterator[Cluster]:
-    """A head node and a worker node, 1 CPU each, bound to 127.0.0.1, with token authentication;
-    ``worker_env`` is added to the worker node's environment (its Ray workers inherit it), and
-    ``worker_args`` to its ``ray start``."""
-    temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
-    port = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-    try:
-        subprocess.run([RAY, "start", "--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp,
-                        *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common, *worker_args],
-                       env={**env, **(worker_env or {})},
-                       check=True, capture_output=True, timeout=120)
-        yield Cluster(f"127.0.0.1:{port}", env)
-    finally:
-        _stop_processes_under(temp)
-        shutil.rmtree(temp, ignore_errors=True)
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head node and a worker node that share this machine's disk (a shared --output-dir)."""
-    with _start_cluster() as c:
+    with ray_nodes() as c:
         yield c
 
 
@@ -367,7 +303,7 @@ def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_st
     node_local = tmp_path / "node-local"
     space = write_space(tmp_path, epochs=3)
     out = tmp_path / "out"
-    with _start_cluster({"HPSWEEP_RAY_LOCAL_RUNS": str(node_local)}) as two_nodes:
+    with ray_nodes(worker_env={"HPSWEEP_RAY_LOCAL_RUNS": str(node_local)}) as two_nodes:
         proc = _ray_sweep(two_nodes, space, out, "--n-trials", "6", "--n-jobs", "2", "--sampler", "random",
                           "--scheduler", "asha", "--seed", "0")
     assert proc.returncode == 0, proc.stderr
@@ -406,7 +342,7 @@ def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_st
 def test_unreachable_address_is_one_line_and_exit_2_within_seconds(tmp_path: Path) -> None:
     space = write_space(tmp_path)
     start = time.monotonic()
-    proc = hpsweep_cli("run", space, "--backend", "ray", "--address", f"127.0.0.1:{_free_port()}", timeout=60)
+    proc = hpsweep_cli("run", space, "--backend", "ray", "--address", f"127.0.0.1:{free_port()}", timeout=60)
     assert proc.returncode == 2
     assert time.monotonic() - start < 20
     lines = proc.stderr.strip().splitlines()
@@ -497,7 +433,7 @@ def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Pa
         return Net(hidden=trial.params["hidden"])
     """
     space = write_space(tmp_path, epochs=1, model_init=model_init)
-    with _start_cluster(worker_args=("--num-gpus", "1")) as gpu_cluster:
+    with ray_nodes(worker_args=("--num-gpus", "1")) as gpu_cluster:
         for out, extra in (("default", []), ("told", ["--resources-per-trial", "cpu=1,gpu=0"])):
             proc = hpsweep_cli("run", space, "--backend", "ray", "--address", gpu_cluster.address, "--output-dir",
                                tmp_path / out, "--n-trials", "2", "--n-jobs", "2", "--sampler", "random", *extra,

@@ -8,6 +8,10 @@
 # - `@unittest.skip("don't work because of a serialization issue")` is removed from the Ray class.
 # - In the W&B test, the assertions on transformers-only W&B details are replaced, marked where
 #   they stand ("hpsweep differs here"): see the README's "What differs".
+# - The Ray client test starts its Ray node with `ray start` (tests/ray_nodes.py) and has Ray's
+#   client server connect to it (`ray_start_client_server_for_address`), instead of Ray's
+#   `ray_start_client_server`, which starts the node inside the server's thread and gives it a
+#   hard-coded 30 s; two CI cores busy with the rest of the suite sometimes took longer.
 # - `HyperParameterSearchBackendsTest` is left out: it checks transformers' own backend registry
 #   (ALL_HYPERPARAMETER_SEARCH_BACKENDS against HPSearchBackend), which hpsweep does not use.
 #
@@ -41,6 +45,8 @@ from hpsweep import TrainingArguments  # was: from transformers import TrainingA
 from transformers.testing_utils import torch_device
 from transformers.trainer_utils import IntervalStrategy
 from transformers.utils.hp_naming import TrialShortNamer
+
+from ray_nodes import ray_nodes  # hpsweep differs here: see the Ray client test
 
 from .trainer_test_utils import (
     AlmostAccuracy,
@@ -230,9 +236,9 @@ class TrainerHyperParameterRayIntegrationTest(unittest.TestCase):
 
     def test_hyperparameter_search_ray_client(self):
         import ray
-        from ray.util.client.ray_client_helpers import ray_start_client_server
+        from ray.util.client.ray_client_helpers import ray_start_client_server_for_address  # hpsweep differs here
 
-        with ray_start_client_server():
+        with ray_nodes(workers=0, token=False) as head, ray_start_client_server_for_address(head.address):
             assert ray.util.client.ray.is_connected()
             self.ray_hyperparameter_search()
 
