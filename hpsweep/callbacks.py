@@ -212,21 +212,51 @@ class CallbackHandler:
         if listeners and self._context is not None:
             kwargs = {**self._context(), **kwargs}
         for listener in listeners:
-            listener(args, state, control, **kwargs)
+            returned = listener(args, state, control, **kwargs)
+            if returned is not None and returned is not control:
+                _adopt(control, returned)
         return control
 
     def state_dicts(self) -> dict[str, Any]:
         out = {}
         for cb in self.callbacks:
-            sd = cb.state_dict() if hasattr(cb, "state_dict") else None
+            sd = cb.state_dict() if hasattr(cb, "state_dict") else _exportable_state(cb)
             if sd is not None:
                 out[type(cb).__name__] = sd
         return out
 
     def load_state_dicts(self, states: Mapping[str, Any]) -> None:
         for cb in self.callbacks:
-            if type(cb).__name__ in states and hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(states[type(cb).__name__])
+            state = states.get(type(cb).__name__)
+            if state is None:
+                continue
+            if hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(state)
+            elif _exportable_state(cb) is not None:
+                for name, value in state.get("attributes", {}).items():
+                    setattr(cb, name, value)
+
+
+def _adopt(control: TrainerControl, returned: Any) -> None:
+    """A callback that returns a control (ours or transformers') instead of setting flags on the one
+    it was given: its flags become the loop's, all of them, as transformers' handler adopts it."""
+    for name in TrainerControl.__dataclass_fields__:
+        if hasattr(returned, name):
+            setattr(control, name, bool(getattr(returned, name)))
+
+
+def _exportable_state(callback: Any) -> dict[str, Any] | None:
+    """The ``state()`` of a transformers ``ExportableState`` callback (its EarlyStoppingCallback
+    keeps its patience counter there), or None. Unlike transformers, whose
+    ``restore_callback_states_from_checkpoint`` is off by default, hpsweep restores it on every
+    resume: a resumed trial must stop where the uninterrupted one would."""
+    state = getattr(callback, "state", None)
+    if not callable(state) or not callable(getattr(type(callback), "from_state", None)):
+        return None
+    try:
+        return state()
+    except NotImplementedError:  # ExportableState's own stub
+        return None
 
 
 def _event_method(event: str, *positional: str) -> Callable[..., TrainerControl]:

@@ -364,6 +364,47 @@ def test_transformers_own_callbacks_run_on_hpsweeps_trainer(tmp_path: Path, caps
     assert "'eval_accuracy'" in capsys.readouterr().out  # transformers' progress bar printed the logs
 
 
+def test_a_resumed_run_keeps_transformers_early_stopping_counter(tmp_path: Path) -> None:
+    """transformers' EarlyStoppingCallback keeps its patience counter as an ExportableState: a run
+    resumed from a checkpoint stops where the uninterrupted run stopped, not a patience later."""
+    import transformers
+
+    def trainer(folder: str) -> hpsweep.Trainer:
+        run_args = args(tmp_path / folder, eval_strategy="epoch", save_strategy="epoch", num_train_epochs=20,
+                        metric_for_best_model="eval_accuracy", greater_is_better=True)
+        run_args.learning_rate = 1e-7  # learns nothing: the accuracy never improves on the first evaluation's
+        return hpsweep.Trainer(model_init=Net, args=run_args, train_dataset=rows(64, 1), eval_dataset=rows(32, 2),
+                               compute_metrics=accuracy,
+                               callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=3)])
+
+    whole = trainer("whole")
+    whole.train()
+    assert whole.state.global_step == 4 * 4  # the best at epoch 1, then 3 evaluations without a gain
+    saved = json.loads((tmp_path / "whole" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert saved["callbacks"]["EarlyStoppingCallback"]["attributes"] == {"early_stopping_patience_counter": 2}
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-12"))
+    assert resumed.state.global_step == whole.state.global_step
+    assert resumed.callback_handler.callbacks[-1].early_stopping_patience_counter == 3
+
+
+def test_a_control_a_callback_returns_steers_the_loop(tmp_path: Path) -> None:
+    """transformers' handler adopts the control a callback returns: a callback may return a new
+    one instead of setting flags on the one it was given."""
+    import transformers
+
+    class StopAtFive(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                return transformers.TrainerControl(should_training_stop=True)
+            return control
+
+    trainer = hpsweep.Trainer(model_init=Net, args=args(tmp_path, eval_strategy="no", num_train_epochs=5),
+                              train_dataset=rows(64, 1), callbacks=[StopAtFive()])
+    trainer.train()
+    assert trainer.state.global_step == 5
+
+
 def test_transformers_helper_methods(tmp_path: Path) -> None:
     rates = []
 
