@@ -279,7 +279,8 @@ for _event in EVENTS:
 # --- built-in callbacks -----------------------------------------------------------------------------
 
 class EarlyStoppingCallback(TrainerCallback):
-    """Stop training when ``metric_for_best_model`` has not improved for ``patience`` evaluations.
+    """Stop training when ``metric_for_best_model`` has not improved for ``patience`` evaluations
+    of the same run: each run (each trial of a sweep) starts afresh, a resumed one where it stopped.
 
     Args:
         early_stopping_patience: evaluations without improvement before stopping.
@@ -291,6 +292,10 @@ class EarlyStoppingCallback(TrainerCallback):
         self.threshold = early_stopping_threshold
         self.bad_evaluations = 0
         self.best: float | None = None
+
+    def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.global_step == 0:  # a new run (a sweep's trials share this instance); a resume restored its state
+            self.bad_evaluations, self.best = 0, None
 
     def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
                     **kwargs: Any) -> None:

@@ -150,6 +150,29 @@ def test_early_stopping_stops_when_the_metric_stalls(tmp_path: Path) -> None:
     assert trainer.state.epoch < 50 and stopper.bad_evaluations == 2
 
 
+def test_early_stopping_starts_each_run_afresh(tmp_path: Path) -> None:
+    """A sweep hands the same callback instances to every trial: the patience of a trial must not
+    count against an earlier trial's best. A second run of one trainer stops where a fresh one does."""
+    stopper = hpsweep.EarlyStoppingCallback(early_stopping_patience=2)
+    trainer = make_trainer(tmp_path / "twice", [stopper], num_train_epochs=50, learning_rate=0.5,
+                           metric_for_best_model="eval_accuracy", greater_is_better=True)
+    trainer.train()  # learns: its best is far above what the next run reaches
+    trainer.args.learning_rate = 1e-7
+    trainer.args.output_dir = str(tmp_path / "second")
+    trainer.train()
+    fresh = make_trainer(tmp_path / "fresh", [hpsweep.EarlyStoppingCallback(early_stopping_patience=2)],
+                         num_train_epochs=50, learning_rate=1e-7, metric_for_best_model="eval_accuracy",
+                         greater_is_better=True)
+    fresh.train()
+    assert trainer.state.global_step == fresh.state.global_step == 3 * 7  # the best at epoch 1, then 2 without a gain
+    # ... while a resumed run keeps its count: from epoch 2's checkpoint (one without a gain), one more.
+    resumed = make_trainer(tmp_path / "fresh", [hpsweep.EarlyStoppingCallback(early_stopping_patience=2)],
+                           num_train_epochs=50, learning_rate=1e-7, metric_for_best_model="eval_accuracy",
+                           greater_is_better=True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "fresh" / "checkpoint-14"))
+    assert resumed.state.global_step == 3 * 7
+
+
 def test_metric_callback_adds_a_non_differentiable_metric(tmp_path: Path) -> None:
     errors = hpsweep.MetricCallback(lambda p, y: float((p.argmax(-1) != y).sum()), name="errors")
     trainer = make_trainer(tmp_path, [errors], num_train_epochs=1)
