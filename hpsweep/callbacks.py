@@ -121,15 +121,16 @@ class TrainerControl:
 
 
 def flow_on_step(args: Any, state: TrainerState, control: TrainerControl) -> None:
-    """Hugging Face's ``DefaultFlowCallback`` after each optimizer step: log, evaluate and save on
-    the ``*_steps`` schedule, and stop (logging, and saving on a steps schedule) at ``max_steps``."""
+    """Hugging Face's ``DefaultFlowCallback`` after each optimizer step, before the callbacks'
+    ``on_step_end`` (it is the first of transformers' callbacks): log, evaluate and save on the
+    ``*_steps`` schedule, and stop at ``max_steps``, evaluating and saving there on a steps schedule."""
     step = state.global_step
     control.should_log |= args.logging_strategy == "steps" and step % args.logging_steps == 0
     control.should_evaluate |= args.eval_strategy == "steps" and step % args.eval_steps == 0
     control.should_save |= args.save_strategy == "steps" and step % args.save_steps == 0
     if step >= state.max_steps:
         control.should_training_stop = True
-        control.should_log |= args.logging_strategy != "no"
+        control.should_evaluate |= args.eval_strategy == "steps"
         control.should_save |= args.save_strategy == "steps"
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -270,6 +269,8 @@ class Trainer(Checkpointing, Evaluation):
         accumulation = args.gradient_accumulation_steps
         running_loss = torch.zeros((), device=acc.device)
         logged_steps = 0
+        self._loss_total = [0.0, 0]  # the logged intervals' summed loss and their micro-steps: train_loss
+        self._grad_norm: torch.Tensor | None = None  # the last optimizer step's (when clipping)
         try:
             for epoch in range(epochs_done, state.num_train_epochs):
                 if hasattr(train_dl, "set_epoch"):
@@ -290,8 +291,8 @@ class Trainer(Checkpointing, Evaluation):
                         loss = self.training_step(model, batch)
                         synced = ops.synced()
                         if synced:
-                            if args.max_grad_norm > 0:
-                                ops.clip(model.parameters(), args.max_grad_norm)
+                            if args.max_grad_norm > 0:  # the norm before clipping, logged as transformers does
+                                self._grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
                             handler.fire("on_pre_optimizer_step", args, state, control)
                         ops.optimizer_step()  # accelerate skips it while accumulating
                         ops.scheduler_step()
@@ -306,8 +307,8 @@ class Trainer(Checkpointing, Evaluation):
                         continue
                     state.global_step += 1
                     state.epoch = epoch + (skipped + micro_step + 1) / batches_per_epoch
-                    handler.fire("on_step_end", args, state, control)
                     flow_on_step(args, state, control)
+                    handler.fire("on_step_end", args, state, control)
                     if control.should_log or control.should_evaluate or control.should_save:
                         running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                     if control.should_training_stop or control.should_epoch_stop:
@@ -329,20 +330,28 @@ class Trainer(Checkpointing, Evaluation):
             raise
         if args.load_best_model_at_end and state.best_model_checkpoint:
             runs.load_weights(acc.unwrap_model(model), Path(state.best_model_checkpoint))
-        handler.fire("on_train_end", args, state, control)
-        losses = [h["loss"] for h in state.log_history if "loss" in h]
-        loss = float(np.mean(losses)) if losses else float("nan")
+        self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
+        loss = self._loss_total[0] / max(self._loss_total[1], 1)  # this run's steps: a resume's, since its checkpoint
         steps = state.global_step - first_step
-        speed = speed_metrics("train", started, steps=steps,
-                              samples=steps * args.per_device_train_batch_size * accumulation * acc.num_processes)
-        return TrainOutput(state.global_step, loss,
-                           {**speed, "train_loss": loss, "epoch": state.epoch, **self.last_eval_metrics()})
+        summary = {**speed_metrics("train", started, steps=steps, samples=steps * args.per_device_train_batch_size
+                                   * accumulation * acc.num_processes), "train_loss": loss}
+        self.log(summary)  # as transformers ends: its on_log, then on_train_end
+        handler.fire("on_train_end", args, state, control)
+        return TrainOutput(state.global_step, loss, {**summary, "epoch": state.epoch, **self.last_eval_metrics()})
+
+    def _add_to_loss_total(self, running_loss: torch.Tensor, micro_steps: int) -> float:
+        """Add an interval's summed loss (data-parallel: the processes' mean) to the run's; returns it."""
+        interval = float(self.accelerator.reduce(running_loss, "mean")) if micro_steps else 0.0
+        self._loss_total = [self._loss_total[0] + interval, self._loss_total[1] + micro_steps]
+        return interval
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
         if control.should_log and logged_steps:  # data-parallel: the processes' mean, reduced only here
-            logs = {"loss": round(float(self.accelerator.reduce(running_loss, "mean")) / logged_steps, 6),
-                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+            logs = {"loss": round(self._add_to_loss_total(running_loss, logged_steps) / logged_steps, 6)}
+            if self._grad_norm is not None:
+                logs["grad_norm"] = float(self._grad_norm)
+            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             self.log(logs)
             running_loss, logged_steps = torch.zeros_like(running_loss), 0
         control.should_log = False
@@ -360,7 +369,7 @@ class Trainer(Checkpointing, Evaluation):
         to ``state.log_history``, as transformers does. ``start_time`` is transformers' parameter, for
         the input-token throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does
         not count."""
-        logs = {**logs, "epoch": round(self.state.epoch, 4)}
+        logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 

@@ -178,8 +178,10 @@ def test_a_log_override_with_transformers_signature_sees_every_log(tmp_path: Pat
     trainer = Logged(model_init=Net, args=args(tmp_path, eval_strategy="epoch"), train_dataset=rows(64, 1),
                      eval_dataset=rows(32, 2))
     trainer.train()
-    # per epoch, the training loss, then the evaluation's metrics (evaluate logs them, as transformers' does)
-    assert [sorted(timeless(x)) for x in Logged.seen] == [["learning_rate", "loss"], ["eval_loss"]] * 2
+    # per epoch, the training loss, then the evaluation's metrics (evaluate logs them, as transformers' does);
+    # at the end, the run's summary
+    assert [sorted(timeless(x)) for x in Logged.seen] == \
+        [["grad_norm", "learning_rate", "loss"], ["eval_loss"]] * 2 + [["train_loss"]]
     assert [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in trainer.state.log_history] == \
         Logged.seen
 

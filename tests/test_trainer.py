@@ -103,7 +103,7 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(tmp_path: Path) -> N
         assert all(torch.equal(expected[k], got[k]) for k in expected), step
         assert resumed.state.global_step == full.state.global_step
         assert rec.steps_seen == full.state.global_step  # callback state came back with the checkpoint
-        assert timeless(resumed.state.log_history[-1]) == timeless(full.state.log_history[-1])
+        assert timeless(resumed.state.evaluations()[-1]) == timeless(full.state.evaluations()[-1])
 
 
 def test_save_total_limit_rotates_but_keeps_the_best(tmp_path: Path) -> None:
