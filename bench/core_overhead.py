@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import compile_sources  # noqa: E402
+
 COMMON = '''
 import torch
 from torch import nn
@@ -164,8 +167,10 @@ def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
     is the steadier figure on a shared machine: waiting for a core another job holds costs wall
     time but no CPU time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    compile_sources()
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+        compile_sources(Path(pythonpath).resolve())
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     # Not run from the repository: `python -m` puts the working folder first on sys.path, which
