@@ -233,7 +233,7 @@ class CallbackHandler:
                 continue
             if hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state)
-            elif _exportable_state(cb) is not None:
+            elif callable(getattr(type(cb), "from_state", None)):  # a transformers ExportableState
                 for name, value in state.get("attributes", {}).items():
                     setattr(cb, name, value)
 

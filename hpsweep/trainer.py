@@ -269,7 +269,7 @@ class Trainer(Checkpointing, Evaluation):
         accumulation = args.gradient_accumulation_steps
         running_loss = torch.zeros((), device=acc.device)
         logged_steps = 0
-        self._loss_total = [0.0, 0]  # the logged intervals' summed loss and their micro-steps: train_loss
+        self._loss_total = (0.0, 0)  # the logged intervals' summed loss and their micro-steps: train_loss
         self._grad_norm: torch.Tensor | None = None  # the last optimizer step's (when clipping)
         try:
             for epoch in range(epochs_done, state.num_train_epochs):
@@ -331,7 +331,8 @@ class Trainer(Checkpointing, Evaluation):
         if args.load_best_model_at_end and state.best_model_checkpoint:
             runs.load_weights(acc.unwrap_model(model), Path(state.best_model_checkpoint))
         self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
-        loss = self._loss_total[0] / max(self._loss_total[1], 1)  # this run's steps: a resume's, since its checkpoint
+        total, micro_steps = self._loss_total  # this run's steps: a resume's, since its checkpoint; none: NaN
+        loss = total / micro_steps if micro_steps else float("nan")
         steps = state.global_step - first_step
         summary = {**speed_metrics("train", started, steps=steps, samples=steps * args.per_device_train_batch_size
                                    * accumulation * acc.num_processes), "train_loss": loss}
@@ -342,16 +343,15 @@ class Trainer(Checkpointing, Evaluation):
     def _add_to_loss_total(self, running_loss: torch.Tensor, micro_steps: int) -> float:
         """Add an interval's summed loss (data-parallel: the processes' mean) to the run's; returns it."""
         interval = float(self.accelerator.reduce(running_loss, "mean")) if micro_steps else 0.0
-        self._loss_total = [self._loss_total[0] + interval, self._loss_total[1] + micro_steps]
+        self._loss_total = (self._loss_total[0] + interval, self._loss_total[1] + micro_steps)
         return interval
 
     def _log_save_evaluate(self, running_loss: torch.Tensor, logged_steps: int) -> tuple[torch.Tensor, int]:
         control = self.control
         if control.should_log and logged_steps:  # data-parallel: the processes' mean, reduced only here
-            logs = {"loss": round(self._add_to_loss_total(running_loss, logged_steps) / logged_steps, 6)}
-            if self._grad_norm is not None:
-                logs["grad_norm"] = float(self._grad_norm)
-            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            loss = round(self._add_to_loss_total(running_loss, logged_steps) / logged_steps, 6)
+            grad_norm = {} if self._grad_norm is None else {"grad_norm": float(self._grad_norm)}
+            logs = {"loss": loss, **grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             self.log(logs)
             running_loss, logged_steps = torch.zeros_like(running_loss), 0
         control.should_log = False
