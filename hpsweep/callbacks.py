@@ -233,7 +233,7 @@ class CallbackHandler:
                 continue
             if hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state)
-            elif callable(getattr(type(cb), "from_state", None)):  # a transformers ExportableState
+            elif _is_exportable(cb):
                 for name, value in state.get("attributes", {}).items():
                     setattr(cb, name, value)
 
@@ -246,16 +246,20 @@ def _adopt(control: TrainerControl, returned: Any) -> None:
             setattr(control, name, bool(getattr(returned, name)))
 
 
+def _is_exportable(callback: Any) -> bool:
+    """Whether ``callback`` is a transformers ``ExportableState`` (``state()`` and ``from_state``)."""
+    return callable(getattr(callback, "state", None)) and callable(getattr(type(callback), "from_state", None))
+
+
 def _exportable_state(callback: Any) -> dict[str, Any] | None:
     """The ``state()`` of a transformers ``ExportableState`` callback (its EarlyStoppingCallback
     keeps its patience counter there), or None. Unlike transformers, whose
     ``restore_callback_states_from_checkpoint`` is off by default, hpsweep restores it on every
     resume: a resumed trial must stop where the uninterrupted one would."""
-    state = getattr(callback, "state", None)
-    if not callable(state) or not callable(getattr(type(callback), "from_state", None)):
+    if not _is_exportable(callback):
         return None
     try:
-        return state()
+        return callback.state()
     except NotImplementedError:  # ExportableState's own stub
         return None
 
