@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,13 @@ def model_init(trial):
 '''
 DEFAULT_SPACE = ('{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
                  '"hidden": hpsweep.Int(8, 32, step=8)}')
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for a server to start on, or to find unreachable)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def timeless(metrics: dict) -> dict:

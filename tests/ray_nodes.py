@@ -6,7 +6,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from conftest import free_port
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -23,12 +24,6 @@ RAY = str(Path(sys.executable).parent / "ray")
 class Cluster:
     address: str
     env: dict[str, str]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_processes_under(marker: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, hpsweep_cli, write_space
+from conftest import ROOT, free_port, hpsweep_cli, write_space
 from fake_hub import FakeHub
 
 TOKEN = "hf_testTOKENtestTOKENtestTOKEN1234"
@@ -106,12 +106,7 @@ def test_a_wrong_token_is_one_line_without_the_token(hub: FakeHub, tmp_path: Pat
 def test_an_unreachable_hub_is_one_line(tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=1)
     hpsweep_cli("run", space, "--n-trials", "1", check=True)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home")}
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home")}
     proc = hpsweep_cli("push", tmp_path / "out", "--repo-id", "tester/x", env=env)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpsweep_cli, write_space
+from conftest import free_port, hpsweep_cli, write_space
 
 SECRET_PARAM = "hf_paramSECRETparamSECRET123456"
 SECRET_ENV = "hf_envSECRETenvSECRETenvSECRET99"
@@ -20,16 +19,10 @@ SPACE = ('{"learning_rate": hpsweep.Float(1e-5, 3e-1, log=True), "hidden": hpswe
 EVAL_EACH_EPOCH = ', eval_strategy="epoch", save_strategy="epoch"'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     log = open(root / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                              f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
@@ -149,7 +142,7 @@ def test_no_secret_reaches_mlflow(tracked_sweep) -> None:
 
 def test_a_dead_server_warns_once_and_the_sweep_goes_on(tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=1)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     started = time.time()
     proc = hpsweep_cli("run", space, "--n-trials", "3", "--seed", "0", "--mlflow", dead)
     assert proc.returncode == 0, proc.stderr
@@ -163,7 +156,7 @@ def test_a_dead_server_warns_once_and_the_sweep_goes_on(tmp_path: Path) -> None:
 
 def test_a_dead_server_is_fatal_when_asked(tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=1)
-    proc = hpsweep_cli("run", space, "--n-trials", "2", "--mlflow", f"http://127.0.0.1:{_free_port()}",
+    proc = hpsweep_cli("run", space, "--n-trials", "2", "--mlflow", f"http://127.0.0.1:{free_port()}",
                        "--mlflow-fatal")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -18,8 +18,8 @@ import pytest
 
 from hpsweep import runs
 
-from conftest import hpsweep_cli, write_space
-from ray_nodes import Cluster, free_port, ray_nodes
+from conftest import free_port, hpsweep_cli, write_space
+from ray_nodes import Cluster, ray_nodes
 from sweep_invariants import violations
 from test_data_parallel import RANK_LOG, rank_steps
 
