@@ -16,7 +16,10 @@ STATE_STYLE = {"complete": "green", "pruned": "yellow", "failed": "red", "stoppe
 
 
 class SweepProgress:
-    """A rich progress bar (trials done, best so far, time left) and one line per finished trial."""
+    """A rich progress bar (trials done, best so far, time left) and one line per finished trial.
+
+    The bar is redrawn as often as the records are read (every ``interval`` s), not at rich's
+    default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with."""
 
     def __init__(self, output_dir: Path, *, n_trials: int | None, timeout: float | None, directions: list[str],
                  objective_name: str, interval: float = 0.5) -> None:
@@ -37,7 +40,7 @@ class SweepProgress:
         self._finished_before = {r.id for r in runs.read_trials(self.output_dir) if r.state != "running"}
         self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("{task.fields[left]}"), TextColumn("{task.fields[best]}"),
-                                  console=self.console, transient=True)
+                                  console=self.console, transient=True, refresh_per_second=1 / self.interval)
         self._task = self._progress.add_task("sweep", total=self.n_trials, left="", best="")
         self._progress.start()
         self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
