@@ -104,6 +104,8 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     save_total_limit: Optional[int] = None
     logging_strategy: str = "epoch"
     logging_steps: int = 50
+    logging_first_step: bool = False
+    eval_delay: float = 0  # no evaluation before this many epochs (or steps, on a steps schedule)
     metric_for_best_model: Optional[str] = None
     greater_is_better: Optional[bool] = None
     load_best_model_at_end: bool = False
@@ -199,7 +201,8 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
             _positive(name, getattr(self, name))
         for name in ("learning_rate", "adam_epsilon"):
             _positive(name, getattr(self, name))
-        for name in ("weight_decay", "max_grad_norm", "momentum", "warmup_steps", "dataloader_num_workers"):
+        for name in ("weight_decay", "max_grad_norm", "momentum", "warmup_steps", "dataloader_num_workers",
+                     "eval_delay"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)} is negative; give a value >= 0")
         for name in ("adam_beta1", "adam_beta2", "warmup_ratio"):

@@ -123,21 +123,25 @@ class TrainerControl:
 def flow_on_step(args: Any, state: TrainerState, control: TrainerControl) -> None:
     """Hugging Face's ``DefaultFlowCallback`` after each optimizer step, before the callbacks'
     ``on_step_end`` (it is the first of transformers' callbacks): log, evaluate and save on the
-    ``*_steps`` schedule, and stop at ``max_steps``, evaluating and saving there on a steps schedule."""
+    ``*_steps`` schedule (log at step 1 too with ``logging_first_step``, evaluate from step
+    ``eval_delay`` on), and stop at ``max_steps``, evaluating and saving there on a steps schedule."""
     step = state.global_step
     control.should_log |= args.logging_strategy == "steps" and step % args.logging_steps == 0
-    control.should_evaluate |= args.eval_strategy == "steps" and step % args.eval_steps == 0
+    control.should_log |= step == 1 and args.logging_first_step
+    evaluates = args.eval_strategy == "steps" and args.eval_delay <= step
+    control.should_evaluate |= evaluates and step % args.eval_steps == 0
     control.should_save |= args.save_strategy == "steps" and step % args.save_steps == 0
     if step >= state.max_steps:
         control.should_training_stop = True
-        control.should_evaluate |= args.eval_strategy == "steps"
+        control.should_evaluate |= evaluates
         control.should_save |= args.save_strategy == "steps"
 
 
-def flow_on_epoch(args: Any, control: TrainerControl) -> None:
-    """``DefaultFlowCallback`` at an epoch's end: log, evaluate and save on the ``epoch`` schedule."""
+def flow_on_epoch(args: Any, state: TrainerState, control: TrainerControl) -> None:
+    """``DefaultFlowCallback`` at an epoch's end: log, evaluate (from epoch ``eval_delay`` on) and
+    save on the ``epoch`` schedule."""
     control.should_log |= args.logging_strategy == "epoch"
-    control.should_evaluate |= args.eval_strategy == "epoch"
+    control.should_evaluate |= args.eval_strategy == "epoch" and args.eval_delay <= state.epoch
     control.should_save |= args.save_strategy == "epoch"
 
 

@@ -31,7 +31,7 @@ from .runs import read_json, write_json
 #: Trainer ignores too); any value is accepted and dropped. Other fields of theirs we lack are
 #: refused when set to a value other than transformers' default.
 IGNORED_FIELDS = frozenset({
-    "log_level", "log_level_replica", "log_on_each_node", "logging_first_step", "logging_nan_inf_filter",
+    "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
     "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "skip_memory_metrics",
     "save_on_each_node", "save_safetensors", "dataloader_persistent_workers", "dataloader_prefetch_factor",
     "dataloader_in_order", "ddp_timeout", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",

@@ -315,7 +315,7 @@ class Trainer(Checkpointing, Evaluation):
                         break
                 control.should_epoch_stop = False
                 state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
-                flow_on_epoch(args, control)
+                flow_on_epoch(args, state, control)
                 handler.fire("on_epoch_end", args, state, control)
                 running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
                 if control.should_training_stop:

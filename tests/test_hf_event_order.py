@@ -62,7 +62,11 @@ def train(trainer_cls: type, out: Path, settings: dict) -> tuple[list[tuple], li
     dict(eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=4, logging_steps=3),
     dict(eval_strategy="steps", eval_steps=4, save_strategy="no", logging_steps=2, gradient_accumulation_steps=2),
     dict(eval_strategy="no", save_strategy="no", logging_steps=5, max_steps=7),
-], ids=["epochs", "best-at-end", "steps", "accumulation", "max-steps"])
+    dict(eval_strategy="steps", eval_steps=3, save_strategy="no", logging_steps=4, logging_first_step=True,
+         eval_delay=7),
+    dict(eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch", logging_first_step=True,
+         eval_delay=2),
+], ids=["epochs", "best-at-end", "steps", "accumulation", "max-steps", "first-step-delay", "epoch-delay"])
 def test_callbacks_see_what_they_see_on_transformers_trainer(tmp_path: Path, settings: dict) -> None:
     theirs = train(transformers.Trainer, tmp_path / "transformers", settings)
     ours = train(hpsweep.Trainer, tmp_path / "hpsweep", settings)

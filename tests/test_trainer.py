@@ -244,11 +244,21 @@ def test_config_file_and_set_override_the_space_file(tmp_path: Path) -> None:
     assert [p.name for p in runs.checkpoints(Path(record.run_dir))] == ["checkpoint-24"]  # only the final one
 
 
+def test_eval_delay_skips_the_early_evaluations_and_the_trial_keeps_its_objective(tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=2)
+    hpsweep_cli("run", space, "--n-trials", "2", "--set", "eval_delay=2", "--set", "logging_first_step=true",
+                check=True)
+    for record in runs.read_trials(tmp_path / "out"):
+        assert record.state == "complete" and record.objective == record.metrics["eval_accuracy"]
+        assert [entry["epoch"] for entry in record.history] == [2.0]  # epoch 1 was not evaluated
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(per_device_train_batch_size=0), "must be > 0"),
     (dict(eval_strategy="sometimes"), "not one of no, steps, epoch"),
     (dict(save_strategy="steps"), "save_steps"),
     (dict(warmup_ratio=1.5), "[0, 1)"),
+    (dict(eval_delay=-1), "eval_delay=-1.0 is negative; give a value >= 0"),
     (dict(fp16=True, bf16=True), "choose one"),
     (dict(load_best_model_at_end=True, eval_strategy="no"), "load_best_model_at_end"),
     (dict(num_train_epochs="three"), "not a valid float"),
