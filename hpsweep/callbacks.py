@@ -138,8 +138,7 @@ def flow_on_step(args: Any, state: TrainerState, control: TrainerControl) -> Non
 
 
 def flow_on_epoch(args: Any, state: TrainerState, control: TrainerControl) -> None:
-    """``DefaultFlowCallback`` at an epoch's end: log, evaluate (from epoch ``eval_delay`` on) and
-    save on the ``epoch`` schedule."""
+    """``DefaultFlowCallback`` at an epoch's end: the ``epoch`` schedule, evaluating from ``eval_delay`` on."""
     control.should_log |= args.logging_strategy == "epoch"
     control.should_evaluate |= args.eval_strategy == "epoch" and args.eval_delay <= state.epoch
     control.should_save |= args.save_strategy == "epoch"
@@ -223,23 +222,28 @@ class CallbackHandler:
         return control
 
     def state_dicts(self) -> dict[str, Any]:
-        out = {}
+        """Callbacks' states by class name; a class of several keeps a list, as transformers does."""
+        by_class: dict[str, list] = {}
         for cb in self.callbacks:
-            sd = cb.state_dict() if hasattr(cb, "state_dict") else _exportable_state(cb)
-            if sd is not None:
-                out[type(cb).__name__] = sd
-        return out
+            by_class.setdefault(type(cb).__name__, []).append(_state(cb))
+        return {name: states if len(states) > 1 else states[0]
+                for name, states in by_class.items() if any(state is not None for state in states)}
 
     def load_state_dicts(self, states: Mapping[str, Any]) -> None:
+        seen: dict[str, int] = {}
         for cb in self.callbacks:
-            state = states.get(type(cb).__name__)
+            name = type(cb).__name__
+            position = seen[name] = seen.get(name, -1) + 1
+            saved = states.get(name)
+            saved = saved if isinstance(saved, list) else [saved]  # a lone state is the first's
+            state = saved[position] if position < len(saved) else None
             if state is None:
                 continue
             if hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state)
             elif _is_exportable(cb):
-                for name, value in state.get("attributes", {}).items():
-                    setattr(cb, name, value)
+                for attribute, value in state.get("attributes", {}).items():
+                    setattr(cb, attribute, value)
 
 
 def _adopt(control: TrainerControl, returned: Any) -> None:
@@ -255,15 +259,15 @@ def _is_exportable(callback: Any) -> bool:
     return callable(getattr(callback, "state", None)) and callable(getattr(type(callback), "from_state", None))
 
 
-def _exportable_state(callback: Any) -> dict[str, Any] | None:
-    """The ``state()`` of a transformers ``ExportableState`` callback (its EarlyStoppingCallback
-    keeps its patience counter there), or None. Unlike transformers, whose
+def _state(callback: Any) -> dict[str, Any] | None:
+    """A callback's ``state_dict()``, or the ``state()`` of a transformers ``ExportableState`` (its
+    EarlyStoppingCallback keeps its patience counter there), or None. Unlike transformers, whose
     ``restore_callback_states_from_checkpoint`` is off by default, hpsweep restores it on every
     resume: a resumed trial must stop where the uninterrupted one would."""
-    if not _is_exportable(callback):
-        return None
+    if hasattr(callback, "state_dict"):
+        return callback.state_dict()
     try:
-        return callback.state()
+        return callback.state() if _is_exportable(callback) else None
     except NotImplementedError:  # ExportableState's own stub
         return None
 

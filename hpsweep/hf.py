@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import functools
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,9 @@ callback_handler = property(lambda self: self._handler, doc="The trainer's callb
 def add_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> None:
     """Add a callback (an instance, or a class to instantiate), here and in every trial of a sweep."""
     callback = callback() if isinstance(callback, type) else callback
+    if any(type(cb) is type(callback) for cb in self._handler.callbacks):  # transformers warns too
+        warnings.warn(f"add_callback: this Trainer already has a {type(callback).__name__}; both will run "
+                      "(remove_callback removes the first)", stacklevel=2)
     self.user_callbacks.append(callback)
     self._handler.add(callback)
 

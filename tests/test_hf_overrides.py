@@ -204,6 +204,9 @@ def test_callbacks_are_added_popped_and_removed_as_in_transformers_and_reach_eve
     trainer.add_callback(Count)  # a class is instantiated, here as in the constructor, as transformers does
     count = trainer.callback_handler.callbacks[-1]
     assert isinstance(count, Count)
+    with pytest.warns(UserWarning, match="already has a Count; both will run"):  # as transformers warns
+        trainer.add_callback(Count)
+    trainer.remove_callback(trainer.callback_handler.callbacks[-1])
     never = trainer.pop_callback(Never)  # the first of a class, returned
     assert isinstance(never, Never) and trainer.pop_callback(Never) is None
     trainer.add_callback(never)

@@ -106,6 +106,31 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(tmp_path: Path) -> N
         assert timeless(resumed.state.evaluations()[-1]) == timeless(full.state.evaluations()[-1])
 
 
+class StepCounter(hpsweep.TrainerCallback):
+    """Counts the steps divisible by ``every``: two of them in one trainer keep different counts."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.count = every, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += state.global_step % self.every == 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_two_callbacks_of_one_class_each_get_their_own_state_back_on_resume(tmp_path: Path) -> None:
+    full = [StepCounter(1), StepCounter(3)]
+    make_trainer(tmp_path / "full", full, save_strategy="steps", save_steps=4).train()
+    resumed = [StepCounter(1), StepCounter(3)]
+    make_trainer(tmp_path / "resumed", resumed, save_strategy="steps", save_steps=4).train(
+        resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+    assert [cb.count for cb in resumed] == [cb.count for cb in full] == [21, 7]  # 3 epochs of 7 steps
+
+
 def test_save_total_limit_rotates_but_keeps_the_best(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, num_train_epochs=6, learning_rate=0.3, save_total_limit=1,
                            metric_for_best_model="eval_loss", greater_is_better=False)
