@@ -146,7 +146,8 @@ def _print_best(best: Any) -> None:
     for b in best if isinstance(best, list) else [best]:
         name = b.run_summary.get("objective_name", "objective")
         console.print(f"[bold green]best[/] {Path(b.run_dir).name}: {name}={b.objective}  "
-                      f"params={json.dumps(b.hyperparameters)}  checkpoint={b.checkpoint}", highlight=False)
+                      f"params={json.dumps(b.hyperparameters)}  checkpoint={b.checkpoint}", highlight=False,
+                      soft_wrap=True)  # one line, as a script reading it expects, in a pipe too
 
 
 def cmd_show(ns: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ class SweepProgress:
     """A rich progress bar (trials done, best so far, time left) and one line per finished trial.
 
     The bar is redrawn as often as the records are read (every ``interval`` s), not at rich's
-    default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with."""
+    default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with.
+    Off a terminal (a log file, a pipe, a cluster job's log) there is no bar: each trial's line is
+    written whole, with the count, the best so far and the time left at its end."""
 
     def __init__(self, output_dir: Path, *, n_trials: int | None, timeout: float | None, directions: list[str],
                  objective_name: str, interval: float = 0.5) -> None:
@@ -62,18 +64,19 @@ class SweepProgress:
 
     def _tick(self) -> None:
         records = self._read()
-        done = [r for r in records if r.state != "running"]
+        done = sorted((r for r in records if r.state != "running"), key=lambda r: r.finished_at or 0)
         for r in done:
             if r.id not in self._printed and r.id not in self._finished_before:
-                self._print_trial(r)
+                self._print_trial(r, done)
                 self._printed.add(r.id)
+        best_text, left = self._best_text(records), self._time_left(done)
+        self._progress.update(self._task, completed=len(done), best=best_text, left=left)
+
+    def _best_text(self, records: list[runs.TrialRecord]) -> str:
         best = runs.best_records(records, self.directions)
-        best_text = ""
         if len(self.directions) == 1 and best:
-            best_text = f"best {self.objective_name}={_fmt(best[0].objective)} ({Path(best[0].run_dir).name})"
-        elif best:
-            best_text = f"Pareto front: {len(best)} trials"
-        self._progress.update(self._task, completed=len(done), best=best_text, left=self._time_left(done))
+            return f"best {self.objective_name}={_fmt(best[0].objective)} ({Path(best[0].run_dir).name})"
+        return f"Pareto front: {len(best)} trials" if best else ""
 
     def _time_left(self, done: list[runs.TrialRecord]) -> str:
         elapsed = time.monotonic() - self._start
@@ -85,7 +88,7 @@ class SweepProgress:
             estimates.append(elapsed / len(new) * max(0, self.n_trials - len(done)))
         return f"~{_duration(min(estimates))} left" if estimates else ""
 
-    def _print_trial(self, r: runs.TrialRecord) -> None:
+    def _print_trial(self, r: runs.TrialRecord, done: list[runs.TrialRecord]) -> None:
         style = STATE_STYLE.get(r.state, "white")
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r.params.items())
         if r.objective is not None:
@@ -94,9 +97,14 @@ class SweepProgress:
             value = f"after {len(r.history)} evaluation{'s' * (len(r.history) != 1)}"
         else:
             value = r.error or ""
-        self._progress.console.print(f"[{style}]{r.state:>8}[/] {Path(r.run_dir).name:<10} {r.duration_s or 0:5.1f}s "
-                                     f"{value}  [dim]{params}[/]", highlight=False, no_wrap=True,
-                                     overflow="ellipsis")
+        line = f"[{style}]{r.state:>8}[/] {Path(r.run_dir).name:<10} {r.duration_s or 0:5.1f}s {value}  [dim]{params}[/]"
+        if self.console.is_terminal:  # one screen line under the bar
+            self.console.print(line, highlight=False, no_wrap=True, overflow="ellipsis")
+            return
+        # A log keeps every param, on one line, and what the bar would show as of this trial's end.
+        so_far = done[:done.index(r) + 1]
+        status = (f"{len(so_far)}/{self.n_trials or '?'} done", self._best_text(so_far), self._time_left(so_far))
+        self.console.print(f"{line}  ({', '.join(filter(None, status))})", highlight=False, soft_wrap=True)
 
     def _read(self) -> list[runs.TrialRecord]:
         self._index.refresh()

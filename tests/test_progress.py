@@ -3,9 +3,11 @@ often as the records are read, not at rich's default 10 Hz (each redraw takes th
 trial that is training)."""
 from __future__ import annotations
 
+import json
 import time
 
 import rich.live
+from conftest import hpsweep_cli, write_space
 
 from hpsweep import runs
 from hpsweep.progress import SweepProgress
@@ -35,3 +37,21 @@ def test_the_bar_is_redrawn_as_often_as_the_records_are_read(tmp_path, monkeypat
     assert "complete" in err and "run-0" in err and "eval_accuracy=0.9375" in err and "learning_rate=0.01" in err
     # every interval (0.5 s): the display's own tick plus rich's refresh thread; 10 Hz would be ~20 in 2 s
     assert 2 <= len(redraws) <= 2 * seconds / progress.interval + 2, len(redraws)
+
+
+def test_a_sweep_logged_to_a_file_keeps_every_param_and_the_progress_on_one_line_per_trial(tmp_path):
+    # Long parameter names, as a Hugging Face space has: a terminal line would cut them at its width.
+    space = write_space(tmp_path, space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
+                                        '"per_device_train_batch_size": hpsweep.Categorical([16, 32]), '
+                                        '"hidden": hpsweep.Int(8, 32, step=8), "weight_decay": hpsweep.Float(0, 0.1)}')
+    proc = hpsweep_cli("run", space, "--n-trials", "3", "--pruner", "none", check=True)  # stdout and stderr: pipes
+    lines = [line for line in proc.stderr.splitlines() if " run-" in line]
+    assert len(lines) == 3
+    for done, line in enumerate(lines, 1):
+        assert all(f"{name}=" in line for name in ("learning_rate", "per_device_train_batch_size", "hidden",
+                                                    "weight_decay")), line
+        assert "…" not in line and f"({done}/3 done, best eval_accuracy=" in line
+    best_line = next(line for line in proc.stdout.splitlines() if line.startswith("best run-"))
+    params = json.loads(best_line.split("params=", 1)[1].split("  checkpoint=")[0])  # one line, whole JSON
+    best = runs.read_best(tmp_path / "out")
+    assert params == best.hyperparameters and best_line.endswith(best.checkpoint)
