@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .devices import ProcessView
 from .errors import UserError, did_you_mean
 
 STRATEGIES = ("no", "steps", "epoch")
@@ -63,9 +64,11 @@ class _ArgumentsMeta(type):
 
 
 @dataclass
-class TrainingArguments(metaclass=_ArgumentsMeta):
+class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     """Arguments of one training run. Invalid values raise `UserError` on construction.
 
+    Code written for transformers' arguments reads ``device``, ``world_size``, ``process_index``,
+    ``should_save`` and the like, and uses ``main_process_first()`` (`hpsweep.devices.ProcessView`).
     Subclasses may add fields (``@dataclass class MyArgs(TrainingArguments): a: float = 0.0``);
     a trial param naming one of them is set like any other field.
     """
@@ -279,6 +282,15 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """`to_dict` with the batch sizes, every value a bool, number or string (transformers' form,
+        for TensorBoard's hparams)."""
+        d = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in d.items()}
 
     # --- derived values used by the trainer ---------------------------------------------------
 

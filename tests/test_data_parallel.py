@@ -228,3 +228,30 @@ eval_dataset = {{"near": _counted("near", 2), "far": _counted("far", 3)}}
     assert all("eval_near_accuracy" in h and "eval_far_accuracy" in h for r in records for h in r.history)
     # each factory ran once, in the search's process; the ranks inherited what it loaded
     assert [len((loads / name).read_text().split()) for name in ("near", "far")] == [1, 1]
+
+
+PROCESS_LOG = '''
+import json, os, time
+class _ProcessLog(hpsweep.TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        with args.main_process_first(local=False, desc="a datasets.map"):
+            entered = time.monotonic()
+            time.sleep(0.5)  # the main process's work: the other waits for it
+        seen = {name: getattr(args, name) for name in ("world_size", "process_index", "local_process_index",
+                                                       "should_log", "should_save", "n_gpu")}
+        with open(os.path.join(args.output_dir, f"process-{os.environ['RANK']}.json"), "w") as f:
+            json.dump({**seen, "device": args.device.type, "entered": entered, "left": time.monotonic()}, f)
+callbacks = [_ProcessLog()]
+'''
+
+
+def test_each_process_of_a_trial_sees_its_rank_in_the_arguments_and_the_main_one_goes_first(tmp_path: Path) -> None:
+    space = write_space(tmp_path, space='{"learning_rate": hpsweep.Categorical([0.1])}', extra=PROCESS_LOG, epochs=1)
+    hpsweep_cli("run", space, "--n-trials", "1", "--processes-per-trial", "2", check=True)
+    run_dir = Path(runs.read_trials(tmp_path / "out")[0].run_dir)
+    main, other = (json.loads((run_dir / f"process-{rank}.json").read_text()) for rank in (0, 1))
+    assert {k: main[k] for k in ("world_size", "process_index", "should_save", "should_log", "device")} == \
+        {"world_size": 2, "process_index": 0, "should_save": True, "should_log": True, "device": "cpu"}
+    assert (other["world_size"], other["process_index"], other["local_process_index"]) == (2, 1, 1)
+    assert not other["should_save"] and not other["should_log"] and main["n_gpu"] == other["n_gpu"] == 0
+    assert other["entered"] >= main["entered"] + 0.5  # it entered the block once the main process had done its work

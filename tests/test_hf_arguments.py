@@ -3,6 +3,7 @@ instance, subclasses with their own fields, and transformers' optimizer names.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,32 @@ def test_an_optuna_style_optimizer_name_trains(tmp_path: Path) -> None:
     trainer = hpsweep.Trainer(model=Net(), args=args, train_dataset=data(64, 1), eval_dataset=data(32, 2))
     out = trainer.train()
     assert out.global_step == 4 and isinstance(trainer.optimizer.optimizer, torch.optim.RMSprop)
+
+
+PROCESS = ("device", "n_gpu", "world_size", "process_index", "local_process_index", "should_log", "should_save")
+
+
+def test_code_written_for_transformers_reads_its_process_from_the_arguments(tmp_path: Path) -> None:
+    import transformers
+
+    theirs = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    ours = TrainingArguments(str(tmp_path), use_cpu=True)
+    assert {name: getattr(ours, name) for name in PROCESS} == {name: getattr(theirs, name) for name in PROCESS}
+    with ours.main_process_first(desc="dataset map pre-processing"):  # one process: the block just runs
+        prepared = data(64, 1)
+    assert json.loads(ours.to_json_string()) == ours.to_dict()
+    sanitized = ours.to_sanitized_dict()
+    assert sanitized["train_batch_size"] == 8 and sanitized["label_names"] == "None"  # transformers' form
+    assert set(sanitized) == set(ours.to_dict()) | {"train_batch_size", "eval_batch_size"}
+
+    seen = []
+
+    class OnDevice(hpsweep.TrainerCallback):  # what a callback written for transformers reads
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.append((args.device, next(model.parameters()).device, args.should_save, args.world_size))
+
+    trainer = hpsweep.Trainer(model_init=Net, args=TrainingArguments(str(tmp_path), num_train_epochs=1),
+                              train_dataset=prepared, eval_dataset=data(32, 2), callbacks=[OnDevice()])
+    trainer.train()
+    (device, model_device, should_save, world_size), = seen
+    assert device.type == model_device.type and should_save and world_size == 1
