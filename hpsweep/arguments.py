@@ -41,7 +41,6 @@ HF_REFUSED = {
                      "hub_revision", "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"),
                     "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
                     "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"),
-    "label_smoothing_factor": "compute the smoothed loss in the model or pass Trainer(compute_loss_func=...)",
     "gradient_checkpointing": "call model.gradient_checkpointing_enable() in model_init",
     "torch_compile": "compile the model in model_init (torch.compile(model))",
     "no_cuda": "use use_cpu=True",
@@ -95,6 +94,7 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     adam_epsilon: float = 1e-8
     momentum: float = 0.0
     max_grad_norm: float = 1.0
+    label_smoothing_factor: float = 0.0  # transformers' label-smoothed cross-entropy on the model's logits
     # schedule
     lr_scheduler_type: str = "linear"
     warmup_ratio: float = 0.0
@@ -109,6 +109,7 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     logging_steps: int = 50
     logging_first_step: bool = False
     eval_delay: float = 0  # no evaluation before this many epochs (or steps, on a steps schedule)
+    eval_on_start: bool = False
     metric_for_best_model: Optional[str] = None
     greater_is_better: Optional[bool] = None
     load_best_model_at_end: bool = False
@@ -208,7 +209,7 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
                      "eval_delay"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name}={getattr(self, name)} is negative; give a value >= 0")
-        for name in ("adam_beta1", "adam_beta2", "warmup_ratio"):
+        for name in ("adam_beta1", "adam_beta2", "warmup_ratio", "label_smoothing_factor"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must lie in [0, 1)")
         for strategy, steps in (("eval", self.eval_steps), ("save", self.save_steps)):

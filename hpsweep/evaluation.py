@@ -21,7 +21,8 @@ from .callbacks import EvalLoopOutput, MetricCallback, PredictionOutput
 from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
 from .hf import speed_metrics
-from .predictions import HFEvalPrediction, PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of
+from .predictions import (HFEvalPrediction, PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of,
+                          smooths_labels)
 
 
 class Evaluation:
@@ -206,8 +207,9 @@ class Evaluation:
             return loss, None, None
         if ignore_keys is None:
             ignore_keys = ignore_keys_for(self.accelerator.unwrap_model(model))
-        logits = predictions_of(outputs, loss_inside=self.compute_loss_func is None and loss is not None,
-                                ignore_keys=ignore_keys)
+        # compute_loss_func and label smoothing take the loss from the logits: the output holds none
+        computed = labels is not None and (self.compute_loss_func is not None or smooths_labels(self.args, model))
+        logits = predictions_of(outputs, loss_inside=not computed and loss is not None, ignore_keys=ignore_keys)
         return loss, logits, labels
 
     def last_eval_metrics(self) -> dict[str, float]:

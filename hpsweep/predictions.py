@@ -8,6 +8,8 @@ array, or a tuple of arrays when there are several, as transformers passes them 
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +45,57 @@ def loss_of(outputs: Any) -> Any:
     if isinstance(outputs, (tuple, list)):
         return outputs[0] if outputs else None
     return getattr(outputs, "loss", None)
+
+
+def label_smoothed_loss(model: Any, outputs: Any, labels: torch.Tensor, epsilon: float,
+                        num_items_in_batch: Any = None) -> torch.Tensor:
+    """transformers' ``LabelSmoother`` (``label_smoothing_factor``): the cross-entropy of the logits
+    against labels smoothed by ``epsilon`` (torch's ``label_smoothing``, the same formula), labels
+    of -100 left out, over ``num_items_in_batch`` when given; a causal language model's labels are
+    shifted one token left, as there."""
+    logits = outputs if isinstance(outputs, torch.Tensor) else \
+        outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]  # called without labels: no loss first
+    if _kind(model) == "causal_lm":
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    mean = num_items_in_batch is None
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, label_smoothing=epsilon,
+                                             reduction="mean" if mean else "sum")
+    return loss if mean else loss / num_items_in_batch
+
+
+def smooths_labels(args: Any, model: Any) -> bool:
+    """Whether ``label_smoothing_factor`` applies to ``model``: not to multi-label classification,
+    where transformers leaves it out too (with the same warning, once per model)."""
+    return bool(args.label_smoothing_factor) and _kind(model) != "multi_label"
+
+
+#: model -> what label smoothing needs to know of it; asked every step, answered once per model
+_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kind(model: Any) -> str:
+    if model not in _KINDS:
+        _KINDS[model] = _model_kind(model)
+    return _KINDS[model]
+
+
+def _model_kind(model: Any) -> str:
+    """``causal_lm`` for transformers' causal language models (its rule: the class name is in its
+    causal-LM mapping), ``multi_label`` for a multi-label classifier, else ``""``; a model is
+    first unwrapped from data-parallel or compiled wrappers."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        warnings.warn("label_smoothing_factor does not apply to multi-label classification; this model trains "
+                      "without it, as on transformers' Trainer", UserWarning, stacklevel=4)
+        return "multi_label"
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return ""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return "causal_lm" if model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else ""
 
 
 def describe(outputs: Any) -> str:

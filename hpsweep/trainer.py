@@ -22,16 +22,8 @@ from torch.utils.data import DataLoader
 
 from . import runs
 from .arguments import TrainingArguments
-from .callbacks import (
-    CallbackHandler,
-    EvalPrediction,
-    ProgressCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-    flow_on_epoch,
-    flow_on_step,
-)
+from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
+                        TrainerState, flow_on_epoch, flow_on_step)
 from .accel import is_prepared_loader, make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels)
@@ -42,7 +34,7 @@ from .hf import as_training_arguments, default_collator, speed_metrics, trainer_
 from .modelinit import call_model_init, model_init_arity
 from .modelinit import set_seed as _set_seed
 from . import optim
-from .predictions import call_model, describe, loss_of
+from .predictions import call_model, describe, label_smoothed_loss, loss_of, smooths_labels
 from .steps import step_ops
 
 
@@ -262,6 +254,8 @@ class Trainer(Checkpointing, Evaluation):
         self._checkpoint_writer = runs.CheckpointWriter()
         handler = self._handler
         handler.fire("on_train_begin", args, state, control)
+        if args.eval_on_start:  # transformers' check of the evaluation before the first step
+            self.evaluate()
 
         first_step = state.global_step
         epochs_done, skip_steps = divmod(first_step, steps_per_epoch)
@@ -397,13 +391,17 @@ class Trainer(Checkpointing, Evaluation):
         """The loss of one batch, as transformers reads it: the model's output itself (a tensor), its
         ``loss`` (a dict or ``ModelOutput``) or its first element (a tuple); or
         ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` with the labels taken out of
-        the batch first. With ``return_outputs``, ``(loss, outputs)``."""
-        labels = None
-        if self.compute_loss_func is not None:
+        the batch first, or with ``label_smoothing_factor`` transformers' label-smoothed loss. With
+        ``return_outputs``, ``(loss, outputs)``."""
+        labels, smoothing = None, smooths_labels(self.args, model)
+        if self.compute_loss_func is not None or smoothing:
             inputs, labels = split_labels(inputs)
         outputs = call_model(model, inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif labels is not None:
+            loss = label_smoothed_loss(model, outputs, labels, self.args.label_smoothing_factor,
+                                       num_items_in_batch)
         else:
             loss = loss_of(outputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

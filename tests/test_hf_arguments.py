@@ -52,7 +52,8 @@ def test_transformers_names_mean_what_they_mean_there() -> None:
     (dict(learning_rte=1e-3), ["'learning_rte'", "did you mean 'learning_rate'"]),
     (dict(hub_model_id="me/model"), ["'hub_model_id'", "--push-to-hub"]),
     (dict(push_to_hub=True), ["push_to_hub=True", "--push-to-hub"]),
-    (dict(label_smoothing_factor=0.1), ["'label_smoothing_factor'", "compute_loss_func"]),
+    (dict(torch_compile=True), ["'torch_compile'", "torch.compile(model)"]),
+    (dict(label_smoothing_factor=1.0), ["label_smoothing_factor=1.0", "[0, 1)"]),
     (dict(eval_steps=0.25, eval_strategy="steps"), ["eval_steps=0.25", "whole number"]),
     (dict(optim="lion"), ["optim='lion'", "adamw_torch"]),
     (dict(save_strategy="best"), ["save_strategy='best'", "no, steps, epoch"]),
@@ -109,10 +110,10 @@ def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: 
 def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
     import transformers
 
-    hf_args = transformers.TrainingArguments(str(tmp_path), label_smoothing_factor=0.1, report_to="none")
+    hf_args = transformers.TrainingArguments(str(tmp_path), torch_compile=True, report_to="none")
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
-    assert "label_smoothing_factor=0.1" in str(info.value) and "compute_loss_func" in str(info.value)
+    assert "torch_compile=True" in str(info.value) and "torch.compile(model)" in str(info.value)
     with pytest.raises(UserError, match=r"Trainer\(args=...\) is a dict; use hpsweep.TrainingArguments"):
         hpsweep.Trainer(model_init=Net, args={"learning_rate": 0.1})
 

@@ -66,7 +66,9 @@ def train(trainer_cls: type, out: Path, settings: dict) -> tuple[list[tuple], li
          eval_delay=7),
     dict(eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch", logging_first_step=True,
          eval_delay=2),
-], ids=["epochs", "best-at-end", "steps", "accumulation", "max-steps", "first-step-delay", "epoch-delay"])
+    dict(eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch", eval_on_start=True),
+], ids=["epochs", "best-at-end", "steps", "accumulation", "max-steps", "first-step-delay", "epoch-delay",
+        "eval-on-start"])
 def test_callbacks_see_what_they_see_on_transformers_trainer(tmp_path: Path, settings: dict) -> None:
     theirs = train(transformers.Trainer, tmp_path / "transformers", settings)
     ours = train(hpsweep.Trainer, tmp_path / "hpsweep", settings)

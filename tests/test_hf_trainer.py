@@ -129,6 +129,66 @@ def test_compute_loss_func_replaces_the_models_loss(tmp_path: Path) -> None:
     assert seen and all(s[0] in (16, 32) for s in seen)
 
 
+class Classifier(nn.Module):
+    """A loss only when given labels, as transformers' models; logits alone or in a dict."""
+
+    def __init__(self, dict_out: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dict_out, self.net = dict_out, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is not None:
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+        return {"logits": logits} if self.dict_out else logits
+
+
+def test_label_smoothing_is_transformers_loss_for_a_classifier_and_a_causal_lm(tmp_path: Path) -> None:
+    import transformers
+
+    gen = torch.Generator().manual_seed(1)
+    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32,
+                                                              n_positions=16))
+    ids = torch.randint(0, 32, (4, 10), generator=gen)
+    prompt_masked = ids.masked_fill(torch.arange(10) < 3, -100)  # a prompt left out of the loss
+    bert = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    classifier = transformers.BertForSequenceClassification(transformers.BertConfig(**bert, num_labels=3))
+    hf_args = transformers.TrainingArguments(str(tmp_path), label_smoothing_factor=0.2, report_to="none", use_cpu=True)
+    for model, batch in ((classifier, {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 2])}),
+                         (lm, {"input_ids": ids, "labels": prompt_masked})):
+        model.eval()  # no dropout: the three calls see the same logits
+        theirs = transformers.Trainer(model=model, args=hf_args).compute_loss(model, dict(batch))
+        ours = hpsweep.Trainer(model=model, args=hf_args).compute_loss(model, dict(batch))
+        unsmoothed = hpsweep.Trainer(model=model, args=args(tmp_path)).compute_loss(model, dict(batch))
+        torch.testing.assert_close(ours, theirs)
+        assert abs(ours.item() - unsmoothed.item()) > 1e-4  # smoothed: not the model's own loss
+
+    # Multi-label classification is left unsmoothed, with transformers' warning.
+    multi = transformers.BertForSequenceClassification(
+        transformers.BertConfig(**bert, num_labels=3, problem_type="multi_label_classification")).eval()
+    batch = {"input_ids": ids, "labels": torch.tensor([[1.0, 0, 1], [0, 1, 0], [0, 0, 1], [1, 1, 0]])}
+    with pytest.warns(UserWarning, match="multi-label"):
+        theirs = transformers.Trainer(model=multi, args=hf_args).compute_loss(multi, dict(batch))
+    with pytest.warns(UserWarning, match="multi-label"):
+        ours = hpsweep.Trainer(model=multi, args=hf_args).compute_loss(multi, dict(batch))
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("dict_out", [True, False], ids=["dict", "logits-tensor"])
+def test_label_smoothing_trains_and_evaluates_on_the_smoothed_loss(tmp_path: Path, dict_out: bool) -> None:
+    trainer = hpsweep.Trainer(model=Classifier(dict_out), args=args(tmp_path, label_smoothing_factor=0.1),
+                              train_dataset=rows(96, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy)
+    metrics = trainer.train().metrics
+    x = torch.stack([r["x"] for r in rows(64, 2)])
+    labels = torch.tensor([r["labels"] for r in rows(64, 2)])
+    with torch.no_grad():
+        logits = trainer.model.net(x)
+    smoothed = nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+    assert metrics["eval_loss"] == pytest.approx(smoothed.item(), rel=1e-5)
+    assert metrics["eval_accuracy"] == float((logits.argmax(-1) == labels).float().mean())  # the logits, not a loss
+
+
 def test_optimizers_pair_is_the_one_that_trains(tmp_path: Path) -> None:
     model = Net()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
