@@ -29,6 +29,8 @@ from .errors import UserError, did_you_mean
 
 STRATEGIES = ("no", "steps", "epoch")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
+#: the ``lr_scheduler_kwargs`` each schedule takes (transformers' names and defaults, in hpsweep/optim.py)
+SCHEDULER_KWARGS = {"cosine": ("num_cycles",), "cosine_with_restarts": ("num_cycles",), "polynomial": ("lr_end", "power")}
 #: ``optim`` names: Hugging Face's, ours, and torch.optim class names in any case ("RMSprop", "SGD").
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "adamw_hf", "adam", "sgd", "adagrad", "rmsprop",
               "adafactor", "adadelta", "adamax", "nadam", "radam", "rprop", "asgd")
@@ -97,6 +99,7 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     label_smoothing_factor: float = 0.0  # transformers' label-smoothed cross-entropy on the model's logits
     # schedule
     lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: Union[dict, str, None] = None  # e.g. {"num_cycles": 3}; a JSON string too
     warmup_ratio: float = 0.0
     warmup_steps: float = 0  # a value in (0, 1) is a ratio of the training steps, as in transformers 5
     # evaluation, checkpoints and logging
@@ -146,6 +149,12 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
         for f in dataclasses.fields(self):
             setattr(self, f.name, _cast(f.name, getattr(self, f.name), types_[f.name]))
         self._resolve_aliases()
+        if isinstance(self.lr_scheduler_kwargs, str):  # as transformers reads it from a command line
+            try:
+                self.lr_scheduler_kwargs = json.loads(self.lr_scheduler_kwargs)
+            except json.JSONDecodeError:
+                raise UserError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r} is not JSON; "
+                                'write it as {"num_cycles": 3}') from None
         if self.fp16 or self.bf16:
             if self.fp16 and self.bf16:
                 raise UserError("fp16=True and bf16=True: choose one mixed precision")
@@ -179,6 +188,13 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
         _choice("save_strategy", self.save_strategy, STRATEGIES)
         _choice("logging_strategy", self.logging_strategy, STRATEGIES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        takes = SCHEDULER_KWARGS.get(self.lr_scheduler_type, ())
+        if not isinstance(self.lr_scheduler_kwargs, (dict, type(None))):
+            raise UserError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r}: give a mapping, e.g. {{'num_cycles': 3}}")
+        for key, value in (self.lr_scheduler_kwargs or {}).items():
+            if key not in takes or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(f"lr_scheduler_kwargs {key}={value!r}: the {self.lr_scheduler_type} schedule takes "
+                                f"{' and '.join(takes) or 'no arguments'}" + (", as numbers" if takes else ""))
         _choice("optim", self.optim, OPTIMIZERS)
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         if self.optim == "adafactor" and importlib.util.find_spec("transformers") is None:

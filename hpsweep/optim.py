@@ -102,20 +102,36 @@ def _adafactor() -> type:
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
                      total: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """``args.lr_scheduler_type`` with warmup over ``total`` optimizer steps: the same curves as
-    transformers.get_scheduler, without depending on transformers."""
+    """``args.lr_scheduler_type`` with warmup over ``total`` optimizer steps: transformers.get_scheduler's
+    curves, its formulas step for step (so the same learning rates to the bit), and its
+    ``lr_scheduler_kwargs`` (``num_cycles`` for the cosines, ``lr_end`` and ``power`` for
+    polynomial, with its defaults), without depending on transformers."""
     warmup = args.warmup_for(total)
-    kind = args.lr_scheduler_type
+    kind, kwargs = args.lr_scheduler_type, args.lr_scheduler_kwargs or {}
+    cycles = float(kwargs.get("num_cycles", 0.5 if kind == "cosine" else 1))
+    lr_init, lr_end, power = optimizer.defaults["lr"], kwargs.get("lr_end", 1e-7), kwargs.get("power", 1.0)
+    if kind == "polynomial" and not lr_init > lr_end:
+        raise UserError(f"lr_scheduler_kwargs lr_end={lr_end} must be smaller than learning_rate={lr_init}")
 
     def factor(step: int) -> float:
-        if kind != "constant" and step < warmup:
-            return step / max(1, warmup)
-        if kind in ("constant", "constant_with_warmup"):
+        if kind == "constant":
             return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
-        if kind in ("linear", "polynomial"):  # polynomial with power 1, as transformers' default
-            return max(0.0, 1.0 - progress)
-        cycles = 1 if kind == "cosine" else 2
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0 if cycles > 1 else progress))))
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        if kind == "constant_with_warmup":
+            return 1.0
+        if kind == "linear":
+            return max(0.0, float(total - step) / float(max(1, total - warmup)))
+        if kind == "polynomial":
+            if step > total:
+                return lr_end / lr_init
+            remaining = 1 - (step - warmup) / max(1, total - warmup)
+            return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
+        progress = float(step - warmup) / float(max(1, total - warmup))
+        if kind == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
+        if progress >= 1.0:  # cosine_with_restarts
+            return 0.0
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0))))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

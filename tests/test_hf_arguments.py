@@ -168,3 +168,48 @@ def test_code_written_for_transformers_reads_its_process_from_the_arguments(tmp_
     trainer.train()
     (device, model_device, should_save, world_size), = seen
     assert device.type == model_device.type and should_save and world_size == 1
+
+
+@pytest.mark.parametrize("kind, kwargs", [
+    ("linear", None), ("cosine", None), ("cosine", {"num_cycles": 1.5}), ("constant", None),
+    ("constant_with_warmup", None), ("polynomial", None), ("polynomial", {"power": 2.0, "lr_end": 1e-3}),
+    ("cosine_with_restarts", None), ("cosine_with_restarts", {"num_cycles": 3}),
+])
+def test_learning_rate_schedules_are_transformers_to_the_bit(kind: str, kwargs: dict | None) -> None:
+    from transformers import get_scheduler
+
+    total, warmup = 20, 3
+    args = TrainingArguments("out", learning_rate=0.1, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs,
+                             warmup_steps=warmup)
+    ours, theirs = (torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1) for _ in range(2))
+    schedules = (hpsweep.optim.create_scheduler(ours, args, total),
+                 get_scheduler(kind, theirs, num_warmup_steps=warmup, num_training_steps=total,
+                               scheduler_specific_kwargs=kwargs))
+    curves: tuple[list, list] = ([], [])
+    for _ in range(total + 2):
+        for curve, schedule in zip(curves, schedules):
+            curve.append(schedule.get_last_lr()[0])
+            schedule.optimizer.step()
+            schedule.step()
+    assert curves[0] == curves[1]
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(lr_scheduler_type="linear", lr_scheduler_kwargs={"num_cycles": 2}), ["num_cycles=2", "takes no arguments"]),
+    (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"cycles": 2}), ["cycles=2", "takes num_cycles"]),
+    (dict(lr_scheduler_type="polynomial", lr_scheduler_kwargs='{"power": 2'), ["not JSON"]),
+])
+def test_lr_scheduler_kwargs_a_schedule_does_not_take_are_one_line(kwargs: dict, needles: list[str]) -> None:
+    with pytest.raises(UserError) as info:
+        TrainingArguments("out", **kwargs)
+    assert all(n in str(info.value) for n in needles), str(info.value)
+
+
+def test_lr_scheduler_kwargs_come_from_a_transformers_json_string_and_set(tmp_path: Path) -> None:
+    import transformers
+
+    hf_args = transformers.TrainingArguments(str(tmp_path), lr_scheduler_type="cosine_with_restarts",
+                                             lr_scheduler_kwargs='{"num_cycles": 2}', report_to="none")
+    assert hpsweep.Trainer(model_init=Net, args=hf_args).args.lr_scheduler_kwargs == {"num_cycles": 2}
+    args = TrainingArguments("out", lr_scheduler_type="polynomial").with_overrides(["lr_scheduler_kwargs={power: 2}"])
+    assert args.lr_scheduler_kwargs == {"power": 2}
