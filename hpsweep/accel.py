@@ -26,7 +26,7 @@ def make_accelerator(args: Any) -> Any:
     try:
         acc = Accelerator(mixed_precision=args.mixed_precision, cpu=args.use_cpu,
                           gradient_accumulation_steps=args.gradient_accumulation_steps,
-                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed))
     except ValueError as exc:
         raise UserError(f"mixed_precision={args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU") from None
     if args.mixed_precision == "fp16" and acc.device.type == "cpu":

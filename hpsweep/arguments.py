@@ -117,8 +117,10 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     greater_is_better: Optional[bool] = None
     load_best_model_at_end: bool = False
     include_for_metrics: list = field(default_factory=list)
+    prediction_loss_only: bool = False  # evaluate and predict compute the loss alone, gathering no predictions
     # reproducibility and hardware
     seed: int = 42
+    data_seed: Optional[int] = None  # the training data's order; None: from seed
     mixed_precision: str = "no"
     fp16: bool = False
     bf16: bool = False

@@ -98,7 +98,8 @@ class Evaluation:
         started = time.time()
         self._prepare_for_evaluation()
         dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
-        collect = predicting or self.compute_metrics is not None or self._handler.needs_predictions()
+        wanted = (predicting or self.compute_metrics is not None) and not self.args.prediction_loss_only
+        collect = wanted or self._handler.needs_predictions()
         if type(self).evaluation_loop is not Evaluation.evaluation_loop:  # a subclass's own loop, as transformers
             out = self.evaluation_loop(dl, "Prediction" if predicting else "Evaluation",
                                        prediction_loss_only=None if collect else True, ignore_keys=ignore_keys,
@@ -160,7 +161,8 @@ class Evaluation:
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
         labelled = prediction is not None and prediction.label_ids is not None
-        if self.compute_metrics is not None and (labelled or not metrics_need_labels):
+        if self.compute_metrics is not None and (labelled or not metrics_need_labels) and \
+                not self.args.prediction_loss_only:
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
         data = getattr(dl, "dataset", None)
         return metrics, prediction, len(data) if hasattr(data, "__len__") else rows * acc.num_processes

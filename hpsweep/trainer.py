@@ -150,19 +150,20 @@ class Trainer(Checkpointing, Evaluation):
             if key not in self._columns_removed:  # a datasets.Dataset without them, made once per dataset
                 self._columns_removed[key] = (dataset, remove_unused_columns(dataset, columns, self.model, what))
             dataset, columns = self._columns_removed[key][1], None
+        seed = self.args.seed if self.args.data_seed is None else self.args.data_seed  # the order of the data
         return DataLoader(batched(dataset, self.data_collator), batch_size=batch_size, shuffle=shuffle,
                           collate_fn=Collator(self.data_collator, columns, what),
                           drop_last=self.args.dataloader_drop_last and shuffle,
                           num_workers=self.args.dataloader_num_workers,
                           pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
-                          generator=torch.Generator().manual_seed(self.args.seed) if shuffle else None)
+                          generator=torch.Generator().manual_seed(seed) if shuffle else None)
 
     # --- transformers' override points: what a subclass replaces -------------------------------------
     # A sweep builds every trial's trainer from the class of the one it was given, so a subclass's
     # methods run in every trial.
 
     def get_train_dataloader(self) -> DataLoader:
-        """The training batches: ``train_dataset`` shuffled (seeded by ``args.seed``) in
+        """The training batches: ``train_dataset`` shuffled (seeded by ``args.data_seed`` or ``seed``) in
         ``per_device_train_batch_size`` batches. An override may return any ``DataLoader``,
         prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
         if self.train_dataset is None:

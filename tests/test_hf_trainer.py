@@ -433,3 +433,38 @@ def test_evaluate_and_predict_report_their_speed_and_on_log_sees_the_epoch(tmp_p
     evaluations = [logs for logs in seen if "eval_accuracy" in logs]
     assert [logs["epoch"] for logs in evaluations] == [1.0, 2.0, 2.0]
     assert trainer.state.log_history[-1] == {**seen[-1], "step": trainer.state.global_step}
+
+
+class Recording(Net):
+    """Notes the first feature of every training batch: the order the data came in."""
+
+    def __init__(self) -> None:
+        super().__init__("dict")
+        self.batches: list[list[float]] = []
+
+    def forward(self, x, labels=None):
+        if self.training:
+            self.batches.append(x[:, 0].tolist())
+        return super().forward(x, labels)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["plain-loader", "accelerate-sampler"])
+def test_data_seed_alone_decides_the_order_of_the_training_data(tmp_path: Path, accumulation: int) -> None:
+    def order(**kw) -> list[list[float]]:
+        model = Recording()
+        hpsweep.Trainer(model=model, args=args(tmp_path, eval_strategy="no", gradient_accumulation_steps=accumulation,
+                                               **kw), train_dataset=rows(64, 1)).train()
+        return model.batches
+
+    assert order(seed=1, data_seed=7) == order(seed=2, data_seed=7)  # the model's seed does not move the data
+    assert order(seed=1, data_seed=7) != order(seed=1, data_seed=8)
+    assert order(seed=1) != order(seed=2)  # without data_seed, seed orders the data, as in transformers
+
+
+def test_prediction_loss_only_computes_the_loss_and_gathers_nothing(tmp_path: Path) -> None:
+    trainer = hpsweep.Trainer(model=Net("dict"), args=args(tmp_path, prediction_loss_only=True),
+                              train_dataset=rows(64, 1), eval_dataset=rows(64, 2), compute_metrics=accuracy)
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and "eval_accuracy" not in metrics  # as transformers: no compute_metrics
+    predicted = trainer.predict(rows(32, 3))
+    assert predicted.predictions is None and "test_loss" in predicted.metrics
