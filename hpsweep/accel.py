@@ -16,15 +16,18 @@ def make_accelerator(args: Any) -> Any:
     ``gradient_accumulation_steps``); a precision the device cannot run is one `UserError`."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
 
     _cache_accelerate_package_probes()
     if PartialState().num_processes == 1:
         # Each run may use a different precision; accelerate keeps a process-wide state.
         AcceleratorState._reset_state()
         GradientState._reset_state()
+    # torch_compile: accelerate compiles the model in prepare, as transformers has it do
+    dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode) \
+        if args.torch_compile else None
     try:
-        acc = Accelerator(mixed_precision=args.mixed_precision, cpu=args.use_cpu,
+        acc = Accelerator(mixed_precision=args.mixed_precision, cpu=args.use_cpu, dynamo_plugin=dynamo,
                           gradient_accumulation_steps=args.gradient_accumulation_steps,
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed))
     except ValueError as exc:
@@ -34,6 +37,12 @@ def make_accelerator(args: Any) -> Any:
         raise UserError("mixed_precision='fp16' (fp16=True) needs a CUDA GPU and this run is on the CPU; "
                         "use bf16=True or no mixed precision on CPU")
     return acc
+
+
+def bare_model(accelerator: Any, model: Any) -> Any:
+    """The user's module inside ``model``: without data-parallel wrappers or ``torch.compile``'s (its
+    weights' names, its forward's signature and its config are the module's own)."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def is_prepared_loader(loader: Any) -> bool:

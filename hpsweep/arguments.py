@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .devices import ProcessView
+from .argsview import TransformersView
 from .errors import UserError, did_you_mean
 
 STRATEGIES = ("no", "steps", "epoch")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the ``lr_scheduler_kwargs`` each schedule takes (transformers' names and defaults, in hpsweep/optim.py)
 SCHEDULER_KWARGS = {"cosine": ("num_cycles",), "cosine_with_restarts": ("num_cycles",), "polynomial": ("lr_end", "power")}
 #: ``optim`` names: Hugging Face's, ours, and torch.optim class names in any case ("RMSprop", "SGD").
@@ -44,7 +45,6 @@ HF_REFUSED = {
                     "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
                     "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"),
     "gradient_checkpointing": "call model.gradient_checkpointing_enable() in model_init",
-    "torch_compile": "compile the model in model_init (torch.compile(model))",
     "no_cuda": "use use_cpu=True",
     "deepspeed": "use --processes-per-trial N (accelerate data parallel)",
     "fsdp": "use --processes-per-trial N (accelerate data parallel)",
@@ -65,11 +65,11 @@ class _ArgumentsMeta(type):
 
 
 @dataclass
-class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
+class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     """Arguments of one training run. Invalid values raise `UserError` on construction.
 
     Code written for transformers' arguments reads ``device``, ``world_size``, ``process_index``,
-    ``should_save`` and the like, and uses ``main_process_first()`` (`hpsweep.devices.ProcessView`).
+    ``should_save`` and the like, and uses ``main_process_first()`` (`hpsweep.argsview.TransformersView`).
     Subclasses may add fields (``@dataclass class MyArgs(TrainingArguments): a: float = 0.0``);
     a trial param naming one of them is set like any other field.
     """
@@ -127,6 +127,9 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
     use_cpu: bool = False
+    torch_compile: bool = False  # torch.compile the model, through accelerate (backend inductor unless given)
+    torch_compile_backend: Optional[str] = None
+    torch_compile_mode: Optional[str] = None
     disable_progress: bool = False
     run_name: Optional[str] = None
     # Hugging Face names accepted for compatibility (README: "Coming from Hugging Face")
@@ -157,6 +160,10 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
             except json.JSONDecodeError:
                 raise UserError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r} is not JSON; "
                                 'write it as {"num_cycles": 3}') from None
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # transformers' rule: naming a backend or mode turns compiling on
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
         if self.fp16 or self.bf16:
             if self.fp16 and self.bf16:
                 raise UserError("fp16=True and bf16=True: choose one mixed precision")
@@ -190,6 +197,13 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
         _choice("save_strategy", self.save_strategy, STRATEGIES)
         _choice("logging_strategy", self.logging_strategy, STRATEGIES)
         _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        if self.torch_compile:
+            from accelerate.utils import DynamoBackend
+
+            _choice("torch_compile_backend", str(self.torch_compile_backend).lower(),
+                    tuple(b.value.lower() for b in DynamoBackend))
+            if self.torch_compile_mode is not None:
+                _choice("torch_compile_mode", self.torch_compile_mode, COMPILE_MODES)
         takes = SCHEDULER_KWARGS.get(self.lr_scheduler_type, ())
         if not isinstance(self.lr_scheduler_kwargs, (dict, type(None))):
             raise UserError(f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r}: give a mapping, e.g. {{'num_cycles': 3}}")
@@ -244,17 +258,6 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
                 raise UserError("load_best_model_at_end=True needs checkpoints where evaluations are: "
                                 "match save_strategy to eval_strategy (and save_steps to a multiple of eval_steps)")
 
-    # --- Hugging Face's derived values ------------------------------------------------------------
-
-    @property
-    def train_batch_size(self) -> int:
-        """The batch size of one process (transformers multiplies by its DataParallel GPUs; we use none)."""
-        return self.per_device_train_batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size
-
     # --- construction from files and overrides ---------------------------------------------------
 
     @classmethod
@@ -301,15 +304,6 @@ class TrainingArguments(ProcessView, metaclass=_ArgumentsMeta):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def to_sanitized_dict(self) -> dict[str, Any]:
-        """`to_dict` with the batch sizes, every value a bool, number or string (transformers' form,
-        for TensorBoard's hparams)."""
-        d = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
-        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in d.items()}
 
     # --- derived values used by the trainer ---------------------------------------------------
 

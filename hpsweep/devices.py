@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .errors import UserError
 
@@ -256,61 +255,3 @@ def threads_per_process(processes: int) -> int:
 
     return max(1, torch.get_num_threads() // processes)
 
-
-class ProcessView:
-    """What transformers' ``TrainingArguments`` tells code about the process it runs in, read from
-    accelerate's `PartialState` (the state the run's Accelerator shares), so that a callback, a
-    ``compute_loss`` override or a data script written for transformers runs unchanged: in a
-    ``--processes-per-trial`` trial each process sees its own rank."""
-
-    use_cpu: bool
-
-    @property
-    def device(self) -> Any:
-        """The ``torch.device`` this process trains on."""
-        import torch
-
-        return torch.device("cpu") if self.use_cpu else _process_state().device
-
-    @property
-    def n_gpu(self) -> int:
-        """Accelerator devices this process uses: 0 on the CPU, else 1 (a trial never runs
-        ``DataParallel``; more GPUs are more processes)."""
-        return int(getattr(self.device, "type", "cpu") != "cpu")
-
-    @property
-    def world_size(self) -> int:
-        """Processes training this run together (``--processes-per-trial``)."""
-        return _process_state().num_processes
-
-    @property
-    def process_index(self) -> int:
-        return _process_state().process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return _process_state().local_process_index
-
-    @property
-    def should_log(self) -> bool:
-        """Whether this process logs: the first on its machine, as transformers' default."""
-        return self.local_process_index == 0
-
-    @property
-    def should_save(self) -> bool:
-        """Whether this process writes checkpoints and models: the first of the run."""
-        return self.process_index == 0
-
-    @contextmanager
-    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
-        """The main process (of this machine with ``local``) runs the block first, the others
-        after it, as around a ``datasets.map`` whose cache they then read; ``desc`` is unused."""
-        state = _process_state()
-        with state.local_main_process_first() if local else state.main_process_first():
-            yield
-
-
-def _process_state() -> Any:
-    from accelerate.state import PartialState
-
-    return PartialState()

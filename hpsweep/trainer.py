@@ -24,7 +24,7 @@ from . import runs
 from .arguments import TrainingArguments
 from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
                         TrainerState, flow_on_epoch, flow_on_step)
-from .accel import is_prepared_loader, make_accelerator
+from .accel import bare_model, is_prepared_loader, make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels)
 from .errors import UserError
@@ -324,7 +324,7 @@ class Trainer(Checkpointing, Evaluation):
             handler.fire("on_exception", args, state, control, exception=exc)
             raise
         if args.load_best_model_at_end and state.best_model_checkpoint:
-            runs.load_weights(acc.unwrap_model(model), Path(state.best_model_checkpoint))
+            runs.load_weights(bare_model(acc, model), Path(state.best_model_checkpoint))
         self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
         total, micro_steps = self._loss_total  # this run's steps: a resume's, since its checkpoint; none: NaN
         loss = total / micro_steps if micro_steps else float("nan")

@@ -52,7 +52,8 @@ def test_transformers_names_mean_what_they_mean_there() -> None:
     (dict(learning_rte=1e-3), ["'learning_rte'", "did you mean 'learning_rate'"]),
     (dict(hub_model_id="me/model"), ["'hub_model_id'", "--push-to-hub"]),
     (dict(push_to_hub=True), ["push_to_hub=True", "--push-to-hub"]),
-    (dict(torch_compile=True), ["'torch_compile'", "torch.compile(model)"]),
+    (dict(torch_compile_backend="inductr"), ["torch_compile_backend='inductr'", "did you mean 'inductor'"]),
+    (dict(torch_compile_mode="fast"), ["torch_compile_mode='fast'", "max-autotune"]),
     (dict(label_smoothing_factor=1.0), ["label_smoothing_factor=1.0", "[0, 1)"]),
     (dict(eval_steps=0.25, eval_strategy="steps"), ["eval_steps=0.25", "whole number"]),
     (dict(optim="lion"), ["optim='lion'", "adamw_torch"]),
@@ -110,10 +111,13 @@ def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: 
 def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
     import transformers
 
-    hf_args = transformers.TrainingArguments(str(tmp_path), torch_compile=True, report_to="none")
+    hf_args = transformers.TrainingArguments(str(tmp_path), neftune_noise_alpha=5.0, report_to="none")
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
-    assert "torch_compile=True" in str(info.value) and "torch.compile(model)" in str(info.value)
+    assert "neftune_noise_alpha=5.0" in str(info.value) and "leave it at its default (None)" in str(info.value)
+    compiled = transformers.TrainingArguments(str(tmp_path), torch_compile_mode="max-autotune", report_to="none")
+    args = hpsweep.Trainer(model_init=Net, args=compiled).args  # converted: compiling is supported
+    assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "inductor", "max-autotune")
     with pytest.raises(UserError, match=r"Trainer\(args=...\) is a dict; use hpsweep.TrainingArguments"):
         hpsweep.Trainer(model_init=Net, args={"learning_rate": 0.1})
 

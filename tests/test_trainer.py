@@ -353,3 +353,22 @@ def test_an_fp16_gradient_scaler_comes_back_with_its_checkpoint(tmp_path: Path) 
     assert all(torch.equal(a, b) for a, b in zip(run[0].state_dict().values(), full[0].state_dict().values()))
     fresh = resumed(restore_scaler=False)  # what resuming did before the scaler was saved
     assert not all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), full[0].state_dict().values()))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inside torch's compiler
+def test_torch_compile_trains_the_compiled_model_and_saves_the_modules_own_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(tmp_path, num_train_epochs=2, torch_compile=True)
+    out = trainer.train()
+    assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)  # accelerate compiled it
+    assert trainer.args.torch_compile_backend == "inductor"  # transformers' default backend
+    saved = load_file(tmp_path / f"checkpoint-{out.global_step}" / "model.safetensors")
+    assert set(saved) == set(trainer.model.state_dict())  # no "_orig_mod." prefix: loads into the plain module
+    eager = Net()
+    eager.load_state_dict(saved)
+    eager.eval()
+    with torch.no_grad():
+        x, y = EVAL.tensors
+        expected = nn.functional.cross_entropy(eager.net(x), y).item()
+    assert out.metrics["eval_loss"] == pytest.approx(expected, rel=1e-4)  # the compiled model is the saved one
