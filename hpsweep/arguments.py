@@ -44,7 +44,6 @@ HF_REFUSED = {
                      "hub_revision", "push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"),
                     "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
                     "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"),
-    "gradient_checkpointing": "call model.gradient_checkpointing_enable() in model_init",
     "no_cuda": "use use_cpu=True",
     "deepspeed": "use --processes-per-trial N (accelerate data parallel)",
     "fsdp": "use --processes-per-trial N (accelerate data parallel)",
@@ -127,6 +126,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
     use_cpu: bool = False
+    activation_checkpointing: bool = False  # transformers' (its models' activation_checkpointing_enable)
+    activation_checkpointing_kwargs: Optional[dict] = None
     torch_compile: bool = False  # torch.compile the model, through accelerate (backend inductor unless given)
     torch_compile_backend: Optional[str] = None
     torch_compile_mode: Optional[str] = None
@@ -135,6 +136,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     # Hugging Face names accepted for compatibility (README: "Coming from Hugging Face")
     disable_tqdm: Optional[bool] = None  # the same as disable_progress
     evaluation_strategy: Optional[str] = None  # transformers 4's name of eval_strategy
+    gradient_checkpointing: Optional[bool] = None  # transformers 4's name of activation_checkpointing
+    gradient_checkpointing_kwargs: Optional[dict] = None
     include_inputs_for_metrics: bool = False  # transformers 4's include_for_metrics=["inputs"]
     report_to: Union[str, list, None] = "none"  # accepted; tracking is --mlflow, see README
     logging_dir: Optional[str] = None  # accepted; hpsweep writes no TensorBoard logs
@@ -180,9 +183,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         """Fold Hugging Face's alternative names into ours; the alias then reads the same value."""
         if self.evaluation_strategy is not None:
             self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
-        if self.disable_tqdm is not None:
-            self.disable_progress = self.disable_tqdm
-        self.disable_tqdm = self.disable_progress
+        for alias in ("disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs"):
+            canonical = _ALIASES[alias][0]
+            if getattr(self, alias) is not None:
+                setattr(self, canonical, getattr(self, alias))
+            setattr(self, alias, getattr(self, canonical))
         if isinstance(self.label_names, str):
             self.label_names = [self.label_names]
         if isinstance(self.report_to, (list, tuple)):
@@ -316,7 +321,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
 
 #: alias -> (our field, the alias' unset value): Hugging Face names for the same setting.
 _ALIASES = {"disable_tqdm": ("disable_progress", None), "evaluation_strategy": ("eval_strategy", None),
-            "include_inputs_for_metrics": ("include_for_metrics", False)}
+            "include_inputs_for_metrics": ("include_for_metrics", False),
+            "gradient_checkpointing": ("activation_checkpointing", None),
+            "gradient_checkpointing_kwargs": ("activation_checkpointing_kwargs", None)}
 
 
 @functools.cache

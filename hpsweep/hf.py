@@ -39,7 +39,7 @@ IGNORED_FIELDS = frozenset({
     "ddp_broadcast_buffers", "ddp_backend", "local_rank", "resume_from_checkpoint", "hub_token",
     "eval_accumulation_steps", "tf32", "torch_empty_cache_steps", "include_num_input_tokens_seen",
     "restore_callback_states_from_checkpoint", "use_cache", "accelerator_config", "debug",
-    "activation_checkpointing", "gradient_checkpointing", "past_index", "use_legacy_prediction_loop",
+    "past_index", "use_legacy_prediction_loop",
 })
 
 

@@ -38,3 +38,21 @@ def set_seed(seed: int) -> None:
     from accelerate.utils import set_seed as accelerate_set_seed
 
     accelerate_set_seed(seed)
+
+
+def enable_activation_checkpointing(model: Any, args: Any) -> None:
+    """transformers' ``activation_checkpointing`` (``gradient_checkpointing`` before 5): the model
+    recomputes its layers' activations in the backward pass instead of keeping them, through its
+    own ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` on models that only
+    have that), with ``activation_checkpointing_kwargs`` as transformers passes them."""
+    if not args.activation_checkpointing:
+        return
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **layers)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **layers)
+    else:
+        raise UserError(f"activation_checkpointing=True: {type(model).__name__} has no activation_checkpointing_enable() "
+                        "(transformers' models have it); call torch.utils.checkpoint.checkpoint in its forward instead")

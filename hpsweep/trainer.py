@@ -31,7 +31,7 @@ from .errors import UserError
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
 from .hf import as_training_arguments, default_collator, speed_metrics, trainer_components
-from .modelinit import call_model_init, model_init_arity
+from .modelinit import call_model_init, enable_activation_checkpointing, model_init_arity
 from .modelinit import set_seed as _set_seed
 from . import optim
 from .predictions import call_model, describe, label_smoothed_loss, loss_of, smooths_labels
@@ -213,6 +213,7 @@ class Trainer(Checkpointing, Evaluation):
         _set_seed(args.seed)
         if self.model_init is not None:
             self.model = self.call_model_init(trial)
+        enable_activation_checkpointing(self.model, args)
         checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
 
         self.accelerator = acc = make_accelerator(self.args)

@@ -468,3 +468,36 @@ def test_prediction_loss_only_computes_the_loss_and_gathers_nothing(tmp_path: Pa
     assert "eval_loss" in metrics and "eval_accuracy" not in metrics  # as transformers: no compute_metrics
     predicted = trainer.predict(rows(32, 3))
     assert predicted.predictions is None and "test_loss" in predicted.metrics
+
+
+def test_activation_checkpointing_recomputes_and_trains_the_same_weights(tmp_path: Path) -> None:
+    import transformers
+
+    def gpt():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=32, n_positions=16,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # numbers to compare
+        return transformers.GPT2LMHeadModel(config)
+
+    ids = torch.randint(0, 32, (32, 12), generator=torch.Generator().manual_seed(3))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    weights, flags = [], []
+
+    class Flag(hpsweep.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            flags.append(model.is_activation_checkpointing)
+
+    for checkpointing in (False, True):
+        trainer = hpsweep.Trainer(model_init=gpt, args=args(tmp_path / str(checkpointing), eval_strategy="no",
+                                                            activation_checkpointing=checkpointing),
+                                  train_dataset=data, callbacks=[Flag()])
+        trainer.train()
+        weights.append(trainer.model.state_dict())
+    assert flags == [False, True]
+    for name, weight in weights[0].items():  # recomputed, not changed (gradients may sum in another order)
+        torch.testing.assert_close(weights[1][name], weight, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(weights[0][k], gpt().state_dict()[k]) for k in weights[0])  # and it trained
+
+    with pytest.raises(UserError, match="Net has no activation_checkpointing_enable"):  # a plain module
+        hpsweep.Trainer(model_init=Net, args=args(tmp_path / "net", gradient_checkpointing=True),
+                        train_dataset=rows(32, 1)).train()
