@@ -120,6 +120,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     # reproducibility and hardware
     seed: int = 42
     data_seed: Optional[int] = None  # the training data's order; None: from seed
+    full_determinism: bool = False  # deterministic algorithms only, as transformers' enable_full_determinism
     mixed_precision: str = "no"
     fp16: bool = False
     bf16: bool = False

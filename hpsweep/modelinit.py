@@ -33,11 +33,22 @@ def call_model_init(model_init: Callable[..., Any], trial: Any = None) -> Any:
     return model
 
 
-def set_seed(seed: int) -> None:
-    """Seed Python, numpy and torch (all devices) the way accelerate does."""
+def set_seed(seed: int, full_determinism: bool = False) -> None:
+    """Seed Python, numpy and torch (all devices) the way accelerate does; with
+    ``full_determinism``, also what transformers' ``enable_full_determinism`` sets: deterministic
+    algorithms only (an op without one raises), cuDNN without autotuning, and the CUDA settings
+    those need. Like transformers, it stays so for the rest of the process."""
     from accelerate.utils import set_seed as accelerate_set_seed
 
-    accelerate_set_seed(seed)
+    accelerate_set_seed(seed, deterministic=full_determinism)
+    if full_determinism:
+        import os
+
+        import torch
+
+        os.environ.update(CUDA_LAUNCH_BLOCKING="1", CUBLAS_WORKSPACE_CONFIG=":16:8", FLASH_ATTENTION_DETERMINISTIC="1")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def enable_activation_checkpointing(model: Any, args: Any) -> None:

@@ -210,7 +210,7 @@ class Trainer(Checkpointing, Evaluation):
         Checkpoints are written in the background; every one is on disk when this returns.
         """
         args, started = self.args, time.time()
-        _set_seed(args.seed)
+        _set_seed(args.seed, args.full_determinism)
         if self.model_init is not None:
             self.model = self.call_model_init(trial)
         enable_activation_checkpointing(self.model, args)

@@ -372,3 +372,19 @@ def test_torch_compile_trains_the_compiled_model_and_saves_the_modules_own_weigh
         x, y = EVAL.tensors
         expected = nn.functional.cross_entropy(eager.net(x), y).item()
     assert out.metrics["eval_loss"] == pytest.approx(expected, rel=1e-4)  # the compiled model is the saved one
+
+
+def test_full_determinism_turns_on_deterministic_algorithms_as_transformers_does(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, as the process-wide switch below
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    try:
+        runs_ = [make_trainer(tmp_path / str(i), num_train_epochs=1, full_determinism=True).train() for i in range(2)]
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and not torch.backends.cudnn.benchmark
+        assert runs_[0].training_loss == runs_[1].training_loss
+    finally:
+        torch.use_deterministic_algorithms(False)
