@@ -283,6 +283,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         values.update(changes)
         if "mixed_precision" in changes and not {"fp16", "bf16"} & set(changes):
             values["fp16"] = values["bf16"] = False
+        if "torch_compile" in changes and not _cast("torch_compile", changes["torch_compile"], bool):
+            values["torch_compile_backend"] = values["torch_compile_mode"] = None  # else they turn it on again
         for alias, (canonical, unset) in _ALIASES.items():  # a change to ours wins over the alias' old value
             if canonical in changes and alias not in changes:
                 values[alias] = unset

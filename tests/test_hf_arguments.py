@@ -118,6 +118,8 @@ def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_p
     compiled = transformers.TrainingArguments(str(tmp_path), torch_compile_mode="max-autotune", report_to="none")
     args = hpsweep.Trainer(model_init=Net, args=compiled).args  # converted: compiling is supported
     assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "inductor", "max-autotune")
+    off = args.with_overrides(["torch_compile=false"])  # --set turns it off, though a backend was named
+    assert (off.torch_compile, off.torch_compile_backend, off.torch_compile_mode) == (False, None, None)
     with pytest.raises(UserError, match=r"Trainer\(args=...\) is a dict; use hpsweep.TrainingArguments"):
         hpsweep.Trainer(model_init=Net, args={"learning_rate": 0.1})
 
