@@ -109,7 +109,7 @@ def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
     warmup = args.warmup_for(total)
     kind, kwargs = args.lr_scheduler_type, args.lr_scheduler_kwargs or {}
     cycles = float(kwargs.get("num_cycles", 0.5 if kind == "cosine" else 1))
-    lr_init, lr_end, power = optimizer.defaults["lr"], kwargs.get("lr_end", 1e-7), kwargs.get("power", 1.0)
+    lr_init, lr_end, power = optimizer.defaults.get("lr") or 0.0, kwargs.get("lr_end", 1e-7), kwargs.get("power", 1.0)
     if kind == "polynomial" and not lr_init > lr_end:
         raise UserError(f"lr_scheduler_kwargs lr_end={lr_end} must be smaller than learning_rate={lr_init}")
 
