@@ -39,10 +39,13 @@ def make_accelerator(args: Any) -> Any:
     return acc
 
 
-def bare_model(accelerator: Any, model: Any) -> Any:
+def bare_model(model: Any) -> Any:
     """The user's module inside ``model``: without data-parallel wrappers or ``torch.compile``'s (its
-    weights' names, its forward's signature and its config are the module's own)."""
-    return accelerator.unwrap_model(model, keep_torch_compile=False)
+    weights' names, its forward's signature and its config are the module's own). What
+    ``Accelerator.unwrap_model(model, keep_torch_compile=False)`` does, without the accelerator."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 def is_prepared_loader(loader: Any) -> bool:

@@ -36,7 +36,7 @@ class Checkpointing:
         background = not wait and not self._handler.reads_checkpoints() and acc.num_processes == 1
         writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
         if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
-            snapshot = runs.snapshot_checkpoint(model=bare_model(acc, self.model_wrapped), optimizer=self.optimizer,
+            snapshot = runs.snapshot_checkpoint(model=bare_model(self.model_wrapped), optimizer=self.optimizer,
                                                 scheduler=self.lr_scheduler, state=self.state.to_dict(),
                                                 args=self.args.to_dict(), scaler=acc.scaler, copy=background)
             best = self.state.best_model_checkpoint
@@ -52,14 +52,14 @@ class Checkpointing:
         class, in ``output_dir`` (``args.output_dir`` by default, as in transformers)."""
         output_dir = Path(output_dir if output_dir is not None else self.args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        model = bare_model(self.accelerator, self.model_wrapped) if hasattr(self, "accelerator") else self.model
+        model = bare_model(self.model_wrapped) if hasattr(self, "accelerator") else self.model
         runs.save_weights(model, output_dir)
         save_processing_class(self.processing_class, output_dir)
 
     def _load_checkpoint(self, folder: Path) -> Any:
         """Restore weights, optimizer, scheduler (+ fp16 scaler), trainer and callback state; returns the RNG state."""
         acc = self.accelerator
-        state, rng_state = runs.read_checkpoint(folder, model=bare_model(acc, self.model_wrapped),
+        state, rng_state = runs.read_checkpoint(folder, model=bare_model(self.model_wrapped),
                                                 optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=acc.scaler)
         saved = TrainerState.from_dict(state)
         for name in ("global_step", "epoch", "num_evaluations", "log_history", "best_metric", "best_model_checkpoint",

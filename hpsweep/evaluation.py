@@ -148,7 +148,7 @@ class Evaluation:
         self._eval_dataloader = dl
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(0)  # every evaluation reads the data as the first one did
-        unwrapped = bare_model(acc, model)
+        unwrapped = bare_model(model)
         self.label_names = label_names_for(unwrapped, self.args.label_names)  # as transformers' Trainer names them
         collector = PredictionCollector(acc, model=unwrapped, enabled=collect,
                                         preprocess=self.preprocess_logits_for_metrics,
@@ -208,7 +208,7 @@ class Evaluation:
         if prediction_loss_only:
             return loss, None, None
         if ignore_keys is None:
-            ignore_keys = ignore_keys_for(bare_model(self.accelerator, model))
+            ignore_keys = ignore_keys_for(bare_model(model))
         # compute_loss_func and label smoothing take the loss from the logits: the output holds none
         computed = labels is not None and (self.compute_loss_func is not None or smooths_labels(self.args, model))
         logits = predictions_of(outputs, loss_inside=not computed and loss is not None, ignore_keys=ignore_keys)

@@ -84,9 +84,9 @@ def _model_kind(model: Any) -> str:
     """``causal_lm`` for transformers' causal language models (its rule: the class name is in its
     causal-LM mapping), ``multi_label`` for a multi-label classifier, else ``""``; a model is
     first unwrapped from data-parallel or compiled wrappers."""
-    from accelerate.utils import extract_model_from_parallel
+    from .accel import bare_model
 
-    model = extract_model_from_parallel(model)
+    model = bare_model(model)
     if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
         warnings.warn("label_smoothing_factor does not apply to multi-label classification; this model trains "
                       "without it, as on transformers' Trainer", UserWarning, stacklevel=4)

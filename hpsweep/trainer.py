@@ -325,7 +325,7 @@ class Trainer(Checkpointing, Evaluation):
             handler.fire("on_exception", args, state, control, exception=exc)
             raise
         if args.load_best_model_at_end and state.best_model_checkpoint:
-            runs.load_weights(bare_model(acc, model), Path(state.best_model_checkpoint))
+            runs.load_weights(bare_model(model), Path(state.best_model_checkpoint))
         self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
         total, micro_steps = self._loss_total  # this run's steps: a resume's, since its checkpoint; none: NaN
         loss = total / micro_steps if micro_steps else float("nan")
@@ -401,7 +401,7 @@ class Trainer(Checkpointing, Evaluation):
         outputs = call_model(model, inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif labels is not None:
+        elif smoothing and labels is not None:
             loss = label_smoothed_loss(model, outputs, labels, self.args.label_smoothing_factor,
                                        num_items_in_batch)
         else:

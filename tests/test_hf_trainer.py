@@ -163,6 +163,8 @@ def test_label_smoothing_is_transformers_loss_for_a_classifier_and_a_causal_lm(t
         unsmoothed = hpsweep.Trainer(model=model, args=args(tmp_path)).compute_loss(model, dict(batch))
         torch.testing.assert_close(ours, theirs)
         assert abs(ours.item() - unsmoothed.item()) > 1e-4  # smoothed: not the model's own loss
+    compiled = torch.compile(lm, backend="eager")  # torch_compile's wrapper: still a causal LM inside
+    torch.testing.assert_close(hpsweep.Trainer(model=lm, args=hf_args).compute_loss(compiled, dict(batch)), theirs)
 
     # Multi-label classification is left unsmoothed, with transformers' warning.
     multi = transformers.BertForSequenceClassification(
