@@ -49,7 +49,7 @@ class TransformersView:
     def n_gpu(self) -> int:
         """Accelerator devices this process uses: 0 on the CPU, else 1 (a trial never runs
         ``DataParallel``; more GPUs are more processes)."""
-        return int(getattr(self.device, "type", "cpu") != "cpu")
+        return int(self.device.type != "cpu")
 
     @property
     def world_size(self) -> int:
