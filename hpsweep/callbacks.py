@@ -415,8 +415,9 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=True)
+        # redrawn at 2 Hz: rich's 10 Hz takes ~0.7% of a core from training in a terminal
+        self._progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                  TextColumn("{task.fields[info]}"), transient=True, refresh_per_second=2)
         self._task = self._progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
         self._progress.start()
 
@@ -440,10 +441,8 @@ class ProgressCallback(TrainerCallback):
 def metric_value(metrics: Mapping[str, float], name: str, what: str = "objective") -> float:
     """``metrics[name]`` as a float, or a `UserError` listing the metrics there are."""
     if name not in metrics:
-        raise UserError(
-            f"{what} {name!r} is not among the evaluation's metrics ({', '.join(sorted(metrics))})"
-            f"{did_you_mean(name, metrics)}; name one of them, or add it with compute_metrics"
-        )
+        raise UserError(f"{what} {name!r} is not among the evaluation's metrics ({', '.join(sorted(metrics))})"
+                        f"{did_you_mean(name, metrics)}; name one of them, or add it with compute_metrics")
     value = float(metrics[name])
     if math.isnan(value):
         raise ValueError(f"{name} is NaN")

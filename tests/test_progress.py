@@ -1,14 +1,16 @@
 """The sweep's live display in a terminal: a line per finished trial, and a bar that is redrawn as
 often as the records are read, not at rich's default 10 Hz (each redraw takes the GIL from the
-trial that is training)."""
+trial that is training); a plain training run's bar likewise. Off a terminal, whole lines."""
 from __future__ import annotations
 
 import json
 import time
 
 import rich.live
+import torch
 from conftest import hpsweep_cli, write_space
 
+import hpsweep
 from hpsweep import runs
 from hpsweep.progress import SweepProgress
 
@@ -55,3 +57,25 @@ def test_a_sweep_logged_to_a_file_keeps_every_param_and_the_progress_on_one_line
     params = json.loads(best_line.split("params=", 1)[1].split("  checkpoint=")[0])  # one line, whole JSON
     best = runs.read_best(tmp_path / "out")
     assert params == best.hyperparameters and best_line.endswith(best.checkpoint)
+
+
+def test_a_plain_training_runs_bar_is_redrawn_twice_a_second(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    redraws = []
+    original = rich.live.Live.refresh
+    monkeypatch.setattr(rich.live.Live, "refresh", lambda self: (redraws.append(time.monotonic()), original(self)))
+
+    class Slow(hpsweep.TrainerCallback):  # a run long enough to count redraws: 20 steps of 0.1 s
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.1)
+
+    x = torch.randn(320, 8, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    args = hpsweep.TrainingArguments(str(tmp_path), num_train_epochs=1, per_device_train_batch_size=16,
+                                     eval_strategy="no", save_strategy="no")
+    trainer = hpsweep.Trainer(model=torch.nn.Linear(8, 2), args=args, train_dataset=data, callbacks=[Slow()],
+                              compute_loss_func=lambda out, y, **kw: torch.nn.functional.cross_entropy(out, y))
+    started = time.monotonic()
+    assert trainer.train().global_step == 20
+    seconds = time.monotonic() - started
+    assert 2 <= len(redraws) <= 2 * seconds + 3, len(redraws)  # 10 Hz would be ~20
