@@ -40,14 +40,13 @@ def set_seed(seed: int, full_determinism: bool = False) -> None:
     those need. Like transformers, it stays so for the rest of the process."""
     from accelerate.utils import set_seed as accelerate_set_seed
 
-    accelerate_set_seed(seed, deterministic=full_determinism)
+    accelerate_set_seed(seed, deterministic=full_determinism)  # deterministic: torch's deterministic algorithms
     if full_determinism:
         import os
 
         import torch
 
         os.environ.update(CUDA_LAUNCH_BLOCKING="1", CUBLAS_WORKSPACE_CONFIG=":16:8", FLASH_ATTENTION_DETERMINISTIC="1")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
