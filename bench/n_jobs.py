@@ -66,7 +66,8 @@ def main() -> None:
             for j in jobs:
                 space = Path(tmp) / f"space_{r}_{j}.py"
                 out = Path(tmp) / f"out_{r}_{j}"
-                space.write_text(f"TRIALS, EPOCHS, OUT = {ns.trials}, 3, {str(out)!r}\n" + SPACE)
+                # HIDDEN: the 32-64-2 MLP, as core_overhead.py's default --hidden 64
+                space.write_text(f"TRIALS, EPOCHS, OUT, HIDDEN = {ns.trials}, 3, {str(out)!r}, [64]\n" + SPACE)
                 w, t, c = run(space, out, ns.trials, j)
                 wall[j].append(w)
                 rate[j].append(t)

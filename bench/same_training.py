@@ -47,6 +47,8 @@ def train_hpsweep(module, task, params: dict, out: str) -> float:
 
 
 def summary(name: str, diffs: list[float]) -> str:
+    if not diffs:  # a short run may draw no config of that kind
+        return f"| {name} | 0 | | | |"
     better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
     return (f"| {name} | {len(diffs)} | {100 * statistics.mean(diffs):+.2f} | {100 * statistics.median(diffs):+.2f} "
             f"| {better} / {worse} / {len(diffs) - better - worse} |")
