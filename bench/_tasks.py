@@ -119,10 +119,11 @@ def dataset(task: Task, part: str) -> Any:
 
 
 def hand_train(task: Task, params: dict, report: Callable[[int, float], bool],
-               fused: bool | None = None) -> float | None:
+               fused: bool | None = None, checkpoint: Callable[..., Any] | None = None) -> float | None:
     """The loop a careful user writes: AdamW, linear decay, clipping, evaluation every epoch.
     ``report(epoch, accuracy)`` returns True to stop (pruned); returns the final accuracy or None.
-    ``fused``: AdamW's ``fused`` argument (torch's default kernel unless set)."""
+    ``fused``: AdamW's ``fused`` argument (torch's default kernel unless set). ``checkpoint(epoch,
+    model, optimizer, scheduler)``, when given, is called after each epoch that was not pruned."""
     torch.manual_seed(42)
     model = task.build(params)
     opt = torch.optim.AdamW(model.parameters(), lr=params["learning_rate"], weight_decay=0.0, fused=fused)
@@ -146,4 +147,6 @@ def hand_train(task: Task, params: dict, report: Callable[[int, float], bool],
         acc = correct / len(val)
         if report(epoch + 1, acc):
             return None
+        if checkpoint is not None:
+            checkpoint(epoch + 1, model, opt, sched)
     return acc
