@@ -27,13 +27,18 @@ class Checkpointing:
 
         ``wait=False`` (the training loop's checkpoints) copies the state now and writes it on a
         background thread, returning before the files are on disk: the next checkpoint and the end
-        of training wait for them. When an ``on_save`` callback reads the folder (by default: see
-        `TrainerCallback.reads_checkpoints`) the checkpoint is written before it is called.
+        of training wait for them. The run's last checkpoint is written before this returns. When an
+        ``on_save`` callback reads the folder (by default: see `TrainerCallback.reads_checkpoints`)
+        the checkpoint is written before it is called.
         """
         final = self._checkpoint_dir()
         self.state.callbacks = self._handler.state_dicts()
         acc = self.accelerator
-        background = not wait and not self._handler.reads_checkpoints() and acc.num_processes == 1
+        # The run's last checkpoint is written here: no step is left to overlap with its write, so
+        # the copy that lets training go on, and the hand-off to a thread, would only cost time.
+        state, control = self.state, self.control
+        background = (not wait and state.global_step < state.max_steps and not control.should_training_stop
+                      and not self._handler.reads_checkpoints() and acc.num_processes == 1)
         writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
         if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
             snapshot = runs.snapshot_checkpoint(model=bare_model(self.model_wrapped), optimizer=self.optimizer,

@@ -2,9 +2,12 @@
 
 - On one process without mixed precision or accumulation the loop skips accelerate's no-op
   wrappers; the weights must come out bit-identical to a run through them.
-- Checkpoints are written on a background thread; a resumed run must still reproduce an
-  uninterrupted one bit for bit, every checkpoint must be whole once ``train()`` returns, and a
-  process killed while writing must leave nothing that looks like a checkpoint but is not one.
+- Checkpoints are written on a background thread (the last one in place); a resumed run must
+  still reproduce an uninterrupted one bit for bit, every checkpoint must be whole once
+  ``train()`` returns, and a process killed while writing must leave nothing that looks like a
+  checkpoint but is not one.
+- A sweep builds each trial's model ahead of its trainer; the trial must still train what a plain
+  run of its params trains.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import hpsweep
@@ -230,6 +234,47 @@ def test_resume_after_background_checkpoints_is_bit_identical(tmp_path: Path) ->
         assert all(torch.equal(expected[k], got[k]) for k in expected), step
         evals = [[timeless(h) for h in t.state.log_history if "eval_loss" in h] for t in (resumed, full)]
         assert evals[0] == evals[1]  # every evaluation, before and after the resume point
+
+
+def test_the_last_checkpoint_is_written_in_place_and_holds_the_final_weights(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    copies: list[bool] = []
+    snapshot = runs.snapshot_checkpoint
+
+    def noting(**kwargs: Any) -> runs.CheckpointSnapshot:
+        copies.append(kwargs["copy"])
+        return snapshot(**kwargs)
+
+    monkeypatch.setattr(runs, "snapshot_checkpoint", noting)
+    trainer = make_trainer(tmp_path, save_strategy="epoch")
+    trainer.train()
+    # Epochs 1 and 2 are copied and written while training goes on; after the last step there is
+    # nothing to overlap with, so the last checkpoint is written from the live state, in place.
+    assert copies == [True, True, False]
+    last = runs.latest_checkpoint(tmp_path)
+    assert last is not None and last.name == f"checkpoint-{trainer.state.global_step}"
+    assert {p.name for p in last.iterdir()} == CHECKPOINT_FILES
+    saved, final = load_file(last / "model.safetensors"), weights(trainer)
+    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final)
+
+
+def test_a_sweep_trial_trains_what_a_plain_run_of_its_params_trains(tmp_path: Path) -> None:
+    # A trial's model is built before its folder is named (hp_name may read what model_init
+    # suggests), then handed to its trainer with the random state that building it left. So
+    # retraining the best params by hand gives the best model again, bit for bit: dropout and the
+    # shuffled loader draw from that state.
+    sweep = make_trainer(tmp_path / "sweep", num_train_epochs=2, save_strategy="epoch")
+    sweep.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-1,
+                                                                                     log=True)},
+                                n_trials=2, pruner="none", seed=0, show_progress=False)
+    records = runs.read_trials(tmp_path / "sweep")
+    assert [r.state for r in records] == ["complete", "complete"]
+    for r in records:
+        plain = make_trainer(tmp_path / f"plain-{r.number}", num_train_epochs=2, save_strategy="epoch",
+                             learning_rate=r.params["learning_rate"])
+        plain.train()
+        trained, swept = weights(plain), load_file(Path(r.run_dir) / r.checkpoint / "model.safetensors")
+        assert swept.keys() == trained.keys() and all(torch.equal(swept[k], trained[k]) for k in trained)
 
 
 def test_background_rotation_keeps_the_limit_and_the_best(tmp_path: Path) -> None:
