@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 
 
 from pathlib import Path
@@ -30,9 +31,30 @@ def write_text(path: Path, text: str) -> None:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process's file-creation mask. Linux reports it in /proc. Elsewhere the only way to read
+    it is to set it and set it back: serialised here, since two threads doing that at once left it
+    at 0 for good (each restored the other's 0), and every later file of the process world-writable."""
+    mask = _umask_from_proc()
+    if mask is not None:
+        return mask
+    with _UMASK_LOCK:
+        mask = os.umask(0)
+        os.umask(mask)
     return mask
+
+
+def _umask_from_proc() -> int | None:
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_UMASK_LOCK = threading.Lock()
 
 
 def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = False) -> None:
