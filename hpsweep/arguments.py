@@ -80,6 +80,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     # batches
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
+    auto_find_batch_size: bool = False  # out of memory: halve per_device_train_batch_size, train again
     gradient_accumulation_steps: int = 1
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0

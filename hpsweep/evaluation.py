@@ -20,7 +20,7 @@ from .accel import bare_model, is_prepared_loader, make_accelerator
 from .callbacks import EvalLoopOutput, MetricCallback, PredictionOutput
 from .data import batch_labels, batch_size, is_several_datasets, label_names_for, resolve_dataset
 from .errors import UserError
-from .hf import speed_metrics
+from .hf import not_a_smaller_train_batch, speed_metrics
 from .predictions import (HFEvalPrediction, PredictionCollector, call_model, ignore_keys_for, loss_of, predictions_of,
                           smooths_labels)
 
@@ -100,15 +100,16 @@ class Evaluation:
         dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
         wanted = (predicting or self.compute_metrics is not None) and not self.args.prediction_loss_only
         collect = wanted or self._handler.needs_predictions()
-        if type(self).evaluation_loop is not Evaluation.evaluation_loop:  # a subclass's own loop, as transformers
-            out = self.evaluation_loop(dl, "Prediction" if predicting else "Evaluation",
-                                       prediction_loss_only=None if collect else True, ignore_keys=ignore_keys,
-                                       metric_key_prefix=prefix)
-            metrics, samples = dict(out.metrics), out.num_samples
-            prediction = HFEvalPrediction(out.predictions, out.label_ids) if out.predictions is not None else None
-        else:
-            metrics, prediction, samples = self._evaluation_pass(dl, ignore_keys, prefix, collect=collect,
-                                                                 metrics_need_labels=predicting)
+        with not_a_smaller_train_batch(self.args):
+            if type(self).evaluation_loop is not Evaluation.evaluation_loop:  # a subclass's own loop, as transformers
+                out = self.evaluation_loop(dl, "Prediction" if predicting else "Evaluation",
+                                           prediction_loss_only=None if collect else True, ignore_keys=ignore_keys,
+                                           metric_key_prefix=prefix)
+                metrics, samples = dict(out.metrics), out.num_samples
+                prediction = HFEvalPrediction(out.predictions, out.label_ids) if out.predictions is not None else None
+            else:
+                metrics, prediction, samples = self._evaluation_pass(dl, ignore_keys, prefix, collect=collect,
+                                                                     metrics_need_labels=predicting)
         batch = getattr(dl, "total_batch_size", None) or getattr(dl, "batch_size", None) or \
             self.args.per_device_eval_batch_size
         metrics.update(speed_metrics(prefix, started, steps=math.ceil(samples / batch), samples=samples))

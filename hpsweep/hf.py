@@ -325,3 +325,64 @@ def speed_metrics(split: str, started: float, *, steps: int, samples: int) -> di
     runtime = max(time.time() - started, 1e-9)
     return {f"{split}_runtime": round(runtime, 4), f"{split}_samples_per_second": round(samples / runtime, 3),
             f"{split}_steps_per_second": round(steps / runtime, 3)}
+
+
+def train_finding_batch_size(trainer: Any, resume_from_checkpoint: Any, trial: Any) -> Any:
+    """transformers' ``auto_find_batch_size``: ``trainer.train()``, and when a step runs out of
+    memory (accelerate's ``should_reduce_batch_size``: CUDA, XPU, NPU or the CPU allocator), train
+    again from the start with half the ``per_device_train_batch_size``, until a batch fits.
+
+    A resume starts at the batch size its checkpoint was written with. Each attempt starts from a
+    fresh model (``model_init``; a ``model=`` is reused as the failed attempt left it, as in
+    transformers), and the checkpoints of a failed attempt are removed: they hold steps of a batch
+    that did not fit. ``trainer.args`` keeps the size that fitted, as ``train_batch_size`` does.
+    An evaluation that runs out of memory is not retried: it names ``per_device_eval_batch_size``."""
+    import shutil
+    import traceback
+
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    from . import memory, runs
+
+    args = trainer.args
+    size = args.per_device_train_batch_size
+    checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
+    if checkpoint is not None:
+        size = read_json(checkpoint / "trainer_state.json").get("train_batch_size") or size
+    trainer._finding_batch_size = True
+    try:
+        while True:
+            trainer.args = args.replace(per_device_train_batch_size=size)
+            kept = set(runs.checkpoints(Path(args.output_dir)))
+            try:
+                return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None, trial=trial)
+            except RuntimeError as exc:
+                if size == 1 or not should_reduce_batch_size(exc):
+                    raise
+                traceback.clear_frames(exc.__traceback__)  # the failed step's tensors
+            for folder in set(runs.checkpoints(Path(args.output_dir))) - kept:
+                shutil.rmtree(folder, ignore_errors=True)
+            trainer.model_wrapped = trainer.optimizer = trainer.lr_scheduler = None
+            memory.reset_accelerate_state()
+            memory.collect()
+            warnings.warn(f"auto_find_batch_size: out of memory at per_device_train_batch_size={size}; "
+                          f"training again from the start at {size // 2}", stacklevel=3)
+            size, checkpoint = size // 2, None
+    finally:
+        trainer._finding_batch_size = False
+
+
+@contextlib.contextmanager
+def not_a_smaller_train_batch(args: Any) -> Any:
+    """Under ``auto_find_batch_size``, an evaluation that runs out of memory ends the run in one line,
+    as in transformers: a smaller train batch (what an out-of-memory error would get) cannot help it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        from accelerate.utils.memory import should_reduce_batch_size
+
+        if args.auto_find_batch_size and should_reduce_batch_size(exc):
+            # Not the allocator's words (they stay in the error it chains): they would look retryable.
+            raise RuntimeError("an evaluation batch did not fit in memory; auto_find_batch_size shrinks only the "
+                               "training batch: set a smaller per_device_eval_batch_size") from exc
+        raise

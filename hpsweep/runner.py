@@ -193,10 +193,12 @@ def _finish_quietly(record: runs.TrialRecord, state: str, error: str | None) -> 
 
 class _Prebuilt:
     """``model_init`` for a trial whose model was built already: hands it over once, with the
-    random state that building it left, so training is the same as if the trainer built it."""
+    random state that building it left, so training is the same as if the trainer built it. A
+    second call (``auto_find_batch_size`` training again with a smaller batch after running out of
+    memory) builds a fresh model the same way, not the one the failed attempt trained."""
 
-    def __init__(self, model: Any, rng: Any) -> None:
-        self.model, self.rng = model, rng
+    def __init__(self, model: Any, rng: Any, rebuild: Callable[[], _Prebuilt]) -> None:
+        self.model, self.rng, self.rebuild = model, rng, rebuild
 
     @classmethod
     def build(cls, model_init: Callable[..., Any], trial: Trial, seed: int) -> _Prebuilt:
@@ -204,11 +206,14 @@ class _Prebuilt:
 
         set_seed(seed)
         model = call_model_init(model_init, trial)
-        return cls(model, runs.rng_state())
+        return cls(model, runs.rng_state(), lambda: cls.build(model_init, trial, seed))
 
     def __call__(self, trial: Any = None) -> Any:
+        model, self.model = self.model, None
+        if model is None:
+            return self.rebuild()()
         runs.set_rng_state(self.rng)
-        return self.model
+        return model
 
 
 def _call_hp_name(hp_name: Callable[[Trial], str], trial: Trial) -> str:

@@ -132,6 +132,9 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)
+    if processes_per_trial > 1 and trainer.args.auto_find_batch_size:
+        raise UserError("auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
+                        "restart the others; set per_device_train_batch_size to a size that fits instead")
     # Devices are checked before anything is written: a request this machine cannot meet is one line.
     placement = devices.plan(n_jobs=n_jobs, resources=resources_per_trial, processes_per_trial=processes_per_trial,
                              gpus=devices.visible_gpus(), cores=devices.usable_cores(), local=address is None)

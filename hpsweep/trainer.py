@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from . import runs
+from . import optim, runs
 from .arguments import TrainingArguments
 from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
                         TrainerState, flow_on_epoch, flow_on_step)
@@ -30,10 +30,8 @@ from .data import (Collator, batched, check_not_empty, default_data_collator, is
 from .errors import UserError
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
-from .hf import as_training_arguments, default_collator, speed_metrics, trainer_components
-from .modelinit import call_model_init, enable_activation_checkpointing, model_init_arity
-from .modelinit import set_seed as _set_seed
-from . import optim
+from .hf import as_training_arguments, default_collator, speed_metrics, train_finding_batch_size, trainer_components
+from .modelinit import call_model_init, enable_activation_checkpointing, model_init_arity, set_seed as _set_seed
 from .predictions import call_model, describe, label_smoothed_loss, loss_of, smooths_labels
 from .steps import step_ops
 
@@ -209,6 +207,8 @@ class Trainer(Checkpointing, Evaluation):
         With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
         Checkpoints are written in the background; every one is on disk when this returns.
         """
+        if self.args.auto_find_batch_size and not self.__dict__.get("_finding_batch_size"):
+            return train_finding_batch_size(self, resume_from_checkpoint, trial)
         args, started = self.args, time.time()
         _set_seed(args.seed, args.full_determinism)
         if self.model_init is not None:
