@@ -329,7 +329,7 @@ def speed_metrics(split: str, started: float, *, steps: int, samples: int) -> di
 
 def train_finding_batch_size(trainer: Any, resume_from_checkpoint: Any, trial: Any) -> Any:
     """transformers' ``auto_find_batch_size``: ``trainer.train()``, and when a step runs out of
-    memory (accelerate's ``should_reduce_batch_size``: CUDA, XPU, NPU or the CPU allocator), train
+    memory (accelerate's ``should_reduce_batch_size``: CUDA, XPU, MPS, HPU or the CPU allocator), train
     again from the start with half the ``per_device_train_batch_size``, until a batch fits.
 
     A resume starts at the batch size its checkpoint was written with. Each attempt starts from a
