@@ -97,6 +97,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     momentum: float = 0.0
     max_grad_norm: float = 1.0
     label_smoothing_factor: float = 0.0  # transformers' label-smoothed cross-entropy on the model's logits
+    neftune_noise_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings while training
     # schedule
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: Union[dict, str, None] = None  # e.g. {"num_cycles": 3}; a JSON string too

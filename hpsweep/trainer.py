@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from . import optim, runs
+from . import hf, optim, runs
 from .arguments import TrainingArguments
 from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
                         TrainerState, flow_on_epoch, flow_on_step)
@@ -128,7 +128,7 @@ class Trainer(Checkpointing, Evaluation):
                 "eval_dataloader": getattr(self, "_eval_dataloader", None)}
 
     def _default_callbacks(self) -> list[TrainerCallback]:
-        return [] if self.args.disable_progress else [ProgressCallback()]
+        return [hf.NEFTune()] + ([] if self.args.disable_progress else [ProgressCallback()])
 
     # --- setup -------------------------------------------------------------------------------------
 

@@ -503,3 +503,49 @@ def test_activation_checkpointing_recomputes_and_trains_the_same_weights(tmp_pat
     with pytest.raises(UserError, match="Net has no activation_checkpointing_enable"):  # a plain module
         hpsweep.Trainer(model_init=Net, args=args(tmp_path / "net", gradient_checkpointing=True),
                         train_dataset=rows(32, 1)).train()
+
+
+def test_neftune_noises_the_embeddings_while_training_and_only_then(tmp_path: Path) -> None:
+    import transformers
+
+    alpha = 5.0
+    ids = torch.randint(0, 32, (32, 12), generator=torch.Generator().manual_seed(3))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    seen: dict[str, object] = {}
+
+    def gpt():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    class Look(hpsweep.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # after hpsweep's own callbacks
+            wte, batch = model.get_input_embeddings(), ids[:4]
+            seen["train"] = (wte(batch) - wte.weight[batch]).abs().max().item()
+            wte.eval()
+            seen["eval"] = (wte(batch) - wte.weight[batch]).abs().max().item()
+            wte.train()
+
+    def trained(neftune: float | None) -> hpsweep.Trainer:
+        trainer = hpsweep.Trainer(model_init=gpt, args=args(tmp_path / str(neftune), eval_strategy="no",
+                                                            neftune_noise_alpha=neftune),
+                                  train_dataset=data, callbacks=[Look()])
+        trainer.train()
+        return trainer
+
+    noisy = trained(alpha)
+    bound = alpha / (12 * 16) ** 0.5  # transformers' alpha / sqrt(sequence length x embedding width)
+    assert 0 < seen["train"] <= bound + 1e-6 and seen["eval"] == 0  # noise while training, none in eval mode
+    wte = noisy.model.get_input_embeddings()  # taken off when training ends: the model is plain again
+    assert not wte._forward_hooks and not hasattr(wte, "neftune_noise_alpha")
+    assert torch.equal(wte.train()(ids[:4]), wte.weight[ids[:4]])
+    plain = trained(None)
+    assert seen["train"] == 0  # off by default
+    assert any(not torch.equal(noisy.model.state_dict()[k], v) for k, v in plain.model.state_dict().items())
+
+    with pytest.raises(UserError, match="Net has no get_input_embeddings"):  # a plain module: one line
+        hpsweep.Trainer(model_init=Net, args=args(tmp_path / "net", neftune_noise_alpha=alpha),
+                        train_dataset=rows(32, 1)).train()
+    converted = hpsweep.hf.as_training_arguments(transformers.TrainingArguments("out", neftune_noise_alpha=alpha))
+    assert converted.neftune_noise_alpha == alpha  # no longer refused
