@@ -45,8 +45,7 @@ HF_REFUSED = {
                     "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
                     "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"),
     "no_cuda": "use use_cpu=True",
-    "deepspeed": "use --processes-per-trial N (accelerate data parallel)",
-    "fsdp": "use --processes-per-trial N (accelerate data parallel)",
+    **dict.fromkeys(("deepspeed", "fsdp"), "use --processes-per-trial N (accelerate data parallel)"),
 }
 
 
@@ -89,6 +88,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     label_names: Optional[list] = None
     # optimizer
     optim: str = "adamw"
+    optim_args: Optional[str] = None  # "momentum=0.9,nesterov=true": what transformers reads for sgd, adagrad, rmsprop
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

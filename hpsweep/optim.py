@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -63,7 +64,35 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, params: list[torch.Tensor]
         kwargs["momentum"] = args.momentum
     if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and params is not None and _fusable(params)):
         kwargs["fused"] = True
+    kwargs.update(_from_optim_args(args, cls_name))
     return getattr(torch.optim, cls_name), kwargs
+
+
+#: What transformers' get_optimizer_cls_and_kwargs reads from ``optim_args`` for each torch optimizer
+#: hpsweep offers (the others it reads it for, GaLore, LOMO and the like, are not offered here).
+_OPTIM_ARGS = {"SGD": ("momentum", "dampening", "weight_decay", "nesterov"),
+               "Adagrad": ("lr_decay", "weight_decay", "eps"),
+               "RMSprop": ("momentum", "alpha", "eps", "weight_decay", "centered")}
+
+
+def _from_optim_args(args: TrainingArguments, cls_name: str) -> dict[str, Any]:
+    """``optim_args`` ("momentum=0.9,nesterov=true") as transformers reads it: the keys its optimizer
+    takes, as floats (``nesterov`` and ``centered`` as booleans); the other keys change nothing there,
+    and a warning here says so."""
+    if not args.optim_args:
+        return {}
+    pairs = dict(item.partition("=")[::2] for item in args.optim_args.replace(" ", "").split(",") if item)
+    taken = _OPTIM_ARGS.get(cls_name, ())
+    ignored = [key for key in pairs if key not in taken]
+    if ignored:
+        warnings.warn(f"optim_args: {', '.join(ignored)} change nothing with optim={args.optim!r}, as in transformers "
+                      f"(it reads {', '.join(taken) or 'nothing'} for it)", stacklevel=3)
+    try:
+        return {key: value.lower() in ("true", "1", "yes") if key in ("nesterov", "centered") else float(value)
+                for key, value in pairs.items() if key in taken}
+    except ValueError:
+        raise UserError(f"optim_args={args.optim_args!r}: write key=number pairs, e.g. 'momentum=0.9,nesterov=true'") \
+            from None
 
 
 #: What transformers' ``Trainer.get_decay_parameter_names`` leaves out of weight decay, by name.

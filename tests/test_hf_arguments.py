@@ -111,10 +111,10 @@ def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: 
 def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
     import transformers
 
-    hf_args = transformers.TrainingArguments(str(tmp_path), optim_args="beta1=0.8", report_to="none")
+    hf_args = transformers.TrainingArguments(str(tmp_path), save_only_model=True, report_to="none")
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
-    assert "optim_args='beta1=0.8'" in str(info.value) and "leave it at its default (None)" in str(info.value)
+    assert "save_only_model=True" in str(info.value) and "leave it at its default (False)" in str(info.value)
     compiled = transformers.TrainingArguments(str(tmp_path), torch_compile_mode="max-autotune", report_to="none")
     args = hpsweep.Trainer(model_init=Net, args=compiled).args  # converted: compiling is supported
     assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "inductor", "max-autotune")
@@ -219,3 +219,27 @@ def test_lr_scheduler_kwargs_come_from_a_transformers_json_string_and_set(tmp_pa
     assert hpsweep.Trainer(model_init=Net, args=hf_args).args.lr_scheduler_kwargs == {"num_cycles": 2}
     args = TrainingArguments("out", lr_scheduler_type="polynomial").with_overrides(["lr_scheduler_kwargs={power: 2}"])
     assert args.lr_scheduler_kwargs == {"power": 2}
+
+
+@pytest.mark.parametrize("optim, optim_args", [("sgd", "momentum=0.9, nesterov=true, dampening=0"),
+                                               ("adagrad", "lr_decay=0.01,eps=1e-8"),
+                                               ("rmsprop", "momentum=0.5,alpha=0.9,centered=yes")])
+def test_optim_args_build_the_optimizer_transformers_builds(optim: str, optim_args: str) -> None:
+    import transformers
+
+    hf_args = transformers.TrainingArguments("out", optim=optim, optim_args=optim_args, learning_rate=0.01,
+                                             report_to="none")
+    model = Net()
+    theirs_cls, theirs_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(hf_args, model)
+    ours_cls, ours_kwargs = hpsweep.Trainer.get_optimizer_cls_and_kwargs(hpsweep.hf.as_training_arguments(hf_args),
+                                                                       model)
+    assert ours_cls is theirs_cls
+    ours, theirs = ours_cls(model.parameters(), **ours_kwargs), theirs_cls(model.parameters(), **theirs_kwargs)
+    assert ours.defaults == theirs.defaults  # every setting of the optimizer, defaults included
+
+
+def test_optim_args_that_change_nothing_say_so_and_bad_ones_are_one_line() -> None:
+    with pytest.warns(UserWarning, match=r"optim_args: momentum change nothing with optim='adamw'"):
+        hpsweep.optim.optimizer_cls_and_kwargs(TrainingArguments("out", optim_args="momentum=0.9"))
+    with pytest.raises(UserError, match="optim_args='momentum=fast': write key=number pairs"):
+        hpsweep.optim.optimizer_cls_and_kwargs(TrainingArguments("out", optim="sgd", optim_args="momentum=fast"))
