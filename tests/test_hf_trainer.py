@@ -47,6 +47,17 @@ def accuracy(p: hpsweep.EvalPrediction) -> dict:
     return {"accuracy": float((np.asarray(p.predictions).argmax(-1) == p.label_ids).mean())}
 
 
+def tiny_gpt2(n_layer: int = 1, dropout: bool = True):
+    """A seeded GPT-2 of a few thousand weights (16 wide, 2 heads, 32 tokens); without ``dropout``
+    its three dropouts are 0, for tests that compare numbers across runs."""
+    import transformers
+
+    torch.manual_seed(0)
+    off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32,
+                                                                n_positions=16, **off))
+
+
 def args(out: Path, **kw) -> TrainingArguments:
     return TrainingArguments(str(out), num_train_epochs=kw.pop("num_train_epochs", 2), learning_rate=5e-2,
                              per_device_train_batch_size=16, per_device_eval_batch_size=32, disable_tqdm=True,
@@ -148,8 +159,7 @@ def test_label_smoothing_is_transformers_loss_for_a_classifier_and_a_causal_lm(t
     import transformers
 
     gen = torch.Generator().manual_seed(1)
-    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32,
-                                                              n_positions=16))
+    lm = tiny_gpt2()
     ids = torch.randint(0, 32, (4, 10), generator=gen)
     prompt_masked = ids.masked_fill(torch.arange(10) < 3, -100)  # a prompt left out of the loss
     bert = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
@@ -473,13 +483,8 @@ def test_prediction_loss_only_computes_the_loss_and_gathers_nothing(tmp_path: Pa
 
 
 def test_activation_checkpointing_recomputes_and_trains_the_same_weights(tmp_path: Path) -> None:
-    import transformers
-
     def gpt():
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=32, n_positions=16,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # numbers to compare
-        return transformers.GPT2LMHeadModel(config)
+        return tiny_gpt2(n_layer=2, dropout=False)  # numbers to compare
 
     ids = torch.randint(0, 32, (32, 12), generator=torch.Generator().manual_seed(3))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -514,10 +519,7 @@ def test_neftune_noises_the_embeddings_while_training_and_only_then(tmp_path: Pa
     seen: dict[str, object] = {}
 
     def gpt():
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0))
+        return tiny_gpt2(dropout=False)
 
     class Look(hpsweep.TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):  # after hpsweep's own callbacks
