@@ -55,7 +55,8 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, params: list[torch.Tensor]
     transformers' ``Trainer.get_optimizer_cls_and_kwargs``. The default, ``adamw``, takes the fused
     kernel when ``params`` are given and all have one (without them, torch's default kernel)."""
     if args.optim == "adafactor":
-        return _adafactor(), {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False}
+        return _adafactor(), {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False,
+                              **_from_optim_args(args, "Adafactor")}  # nothing, as in transformers: says so
     cls_name = _TORCH_CLASSES[args.optim]
     kwargs: dict[str, Any] = {"lr": args.learning_rate}
     if cls_name in _ADAM_LIKE:

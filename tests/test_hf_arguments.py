@@ -241,5 +241,9 @@ def test_optim_args_build_the_optimizer_transformers_builds(optim: str, optim_ar
 def test_optim_args_that_change_nothing_say_so_and_bad_ones_are_one_line() -> None:
     with pytest.warns(UserWarning, match=r"optim_args: momentum change nothing with optim='adamw'"):
         hpsweep.optim.optimizer_cls_and_kwargs(TrainingArguments("out", optim_args="momentum=0.9"))
+    with pytest.warns(UserWarning, match=r"optim_args: scale change nothing with optim='adafactor'"):
+        _, kwargs = hpsweep.optim.optimizer_cls_and_kwargs(TrainingArguments("out", optim="adafactor",
+                                                                              optim_args="scale=2"))
+    assert "scale" not in kwargs
     with pytest.raises(UserError, match="optim_args='momentum=fast': write key=number pairs"):
         hpsweep.optim.optimizer_cls_and_kwargs(TrainingArguments("out", optim="sgd", optim_args="momentum=fast"))
