@@ -71,6 +71,7 @@ class TrialLoop:
         backend.open(worker)
         try:
             while self.deadline is None or time.monotonic() < self.deadline:
+                _stop_if_signalled()
                 with self.ledger.locked():
                     for dead in self.ledger.reap():
                         if dead.info.get("ref") is not None:
@@ -240,6 +241,7 @@ def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any, p
     if os.getppid() != parent:  # the command died before we asked
         os._exit(143)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C: the command forwards it once
+    _received.clear()
     signal.signal(signal.SIGTERM, _raise_interrupted)
     devices.apply(placement, index)  # before anything here touches CUDA: it reads CUDA_VISIBLE_DEVICES once
     code = 0
@@ -267,9 +269,21 @@ def _tell_quietly(backend: Backend, trial: Trial, state: str) -> None:
         pass
 
 
+#: The stopping signal this process received. Kept as well as raised: Python drops an exception
+#: raised while it runs a weakref callback or a ``__del__`` (a finished import's lock, say), and
+#: the loop must still stop, at the next trial at the latest.
+_received: list[int] = []
+
+
 def _raise_interrupted(signum: int, frame: Any) -> None:
     signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut the trial's record short
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def _stop_if_signalled() -> None:
+    if _received:
+        raise Interrupted(_received[0])
 
 
 @contextmanager
@@ -280,11 +294,13 @@ def _signals_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _received.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _received.clear()
 
 
 def _die_with_parent() -> None:
