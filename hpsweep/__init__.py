@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import devices  # noqa: F401  first: the load a search's first trial measures runs from here (CoreShare)
 from .arguments import TrainingArguments
 from .callbacks import (EarlyStoppingCallback, EvalLoopOutput, EvalPrediction, MetricCallback, PredictionOutput,
                         ProgressCallback, TrainerCallback, TrainerControl, TrainerState)

@@ -18,6 +18,11 @@ same on every backend (Ray reserves the same ``resources`` itself):
   split between the trials that run at once. A trial's threads are split between its processes.
   torch alone would give every process one thread per core of the machine: two trials on two
   cores then run four busy threads that wait for each other (2.2x slower, bench/threads.py).
+- Other load: unless ``cpu=N`` or ``OMP_NUM_THREADS`` pins them, each trial's threads are its
+  share less the cores that other processes kept busy while the trials before it ran
+  (`CoreShare`): beside one busy process on two cores, a trial's two threads made a digits sweep
+  2.2-2.5x slower than one thread. A trial that resumes from a checkpoint keeps the threads it
+  was started with, so its resume stays bit for bit (torch's sums depend on the thread count).
 
 Tests fake the GPU count with ``HPSWEEP_FAKE_GPUS=N``: planning, placement and the records are
 real; the training itself runs on the CPU.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +41,7 @@ from .errors import UserError
 
 FAKE_GPUS_ENV = "HPSWEEP_FAKE_GPUS"
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+THREADS_ENV = "OMP_NUM_THREADS"
 RESOURCE_NAMES = ("cpu", "gpu")
 
 
@@ -101,6 +108,8 @@ class Placement:
         processes_per_trial: data-parallel processes per trial.
         resources: ``--resources-per-trial`` with the GPU default filled in (what Ray reserves).
         note: one line for the user when fewer trials run at once than ``--n-jobs`` asked.
+        pinned: ``threads`` hold whatever the load (``cpu=N``, or ``OMP_NUM_THREADS`` set by the
+            user or a scheduler); otherwise a trial gets fewer while other processes keep cores busy.
     """
 
     slots: int
@@ -109,10 +118,11 @@ class Placement:
     processes_per_trial: int = 1
     resources: dict[str, float] = field(default_factory=dict)
     note: str | None = None
+    pinned: bool = False
 
     def env(self, slot: int) -> dict[str, str]:
         """The environment a worker of ``slot`` runs its trials with."""
-        env = {"OMP_NUM_THREADS": str(self.threads)}  # for the processes it starts (loader workers)
+        env = {THREADS_ENV: str(self.threads)}  # for the processes it starts (loader workers)
         if self.gpus is not None:
             env[VISIBLE_ENV] = ",".join(self.gpus[slot % len(self.gpus)])
         return env
@@ -178,7 +188,8 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
     # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not more threads.
     threads_per_trial = max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
     return Placement(slots=slots, gpus=tuple(per_slot) if per_slot is not None else None,
-                     threads=threads_per_trial, processes_per_trial=ppt, resources=resolved, note=note)
+                     threads=threads_per_trial, processes_per_trial=ppt, resources=resolved, note=note,
+                     pinned=cpu is not None or bool(os.environ.get(THREADS_ENV)))
 
 
 def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:
@@ -218,8 +229,10 @@ def apply(placement: Placement, slot: int) -> None:
     """Place this process (a fresh ``--n-jobs`` worker) in ``slot``: its GPUs and threads."""
     import torch
 
+    global _share
     os.environ.update(placement.env(slot))
     torch.set_num_threads(placement.threads)
+    _share = CoreShare(placement.threads) if not placement.pinned else None
 
 
 @contextmanager
@@ -228,13 +241,15 @@ def placed(placement: Placement, slot: int = 0) -> Iterator[None]:
     (an API user's own environment and thread count)."""
     import torch
 
+    global _share
     env = placement.env(slot)
     previous = {name: os.environ.get(name) for name in env}
-    threads = torch.get_num_threads()
+    threads, share = torch.get_num_threads(), _share
     apply(placement, slot)
     try:
         yield
     finally:
+        _share = share
         for name, value in previous.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -255,3 +270,117 @@ def threads_per_process(processes: int) -> int:
 
     return max(1, torch.get_num_threads() // processes)
 
+
+#: This process's `CoreShare` while it is placed to run trials (`apply`); None elsewhere (a Ray
+#: worker, whose CPUs Ray reserves; a plain ``Trainer.train``): trials there keep their threads.
+_share: CoreShare | None = None
+
+
+def threads_for_trial(resumed_with: int | None = None) -> int:
+    """Set and return the torch threads of the trial this process starts now (see `CoreShare`).
+    ``resumed_with``: the threads (all processes') the trial had when it started, for a trial that
+    resumes from its checkpoint."""
+    import torch
+
+    if _share is not None:
+        torch.set_num_threads(_share.threads(resumed_with))
+    return torch.get_num_threads()
+
+
+class CoreShare:
+    """The threads each trial of a placed process gets: its share of the cores (``ceiling``) less
+    the cores other processes kept busy since the last decision.
+
+    The load is measured, not guessed: busy CPU time of the cores this process may use (Linux's
+    ``/proc/stat``; under a cgroup CPU quota, the cgroup's ``cpu.stat`` against the quota), less
+    this process's own and its finished children's, over the wall time between samples. Windows
+    shorter than ``min_window`` seconds (trials of a fraction of a second) are added up until they
+    are long enough, the trials meanwhile keeping the last decision. The first window runs from
+    the import of this module (a command's start-up) when that is recent, and lasts at least
+    `FIRST_WINDOW` (0.2 s, waited for when the first trial starts sooner). A decision rounds down unless a core is at least three quarters free: an
+    oversubscribed core costs more (two threads beside one busy process: 2.2-2.5x) than an idle
+    one. Where nothing can be measured (no ``/proc``), trials get the ceiling.
+    """
+
+    def __init__(self, ceiling: int, *, min_window: float = 0.5, cgroup: Path = Path("/sys/fs/cgroup")) -> None:
+        self.ceiling, self.min_window = max(1, ceiling), min_window
+        quota = _cgroup_cpu_quota(cgroup)
+        self._cgroup = cgroup if quota is not None else None
+        self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.capacity = quota if quota is not None else float(len(self._cpus) if self._cpus else os.cpu_count() or 1)
+        started = _STARTED
+        recent = (started is not None and self._cgroup is None and started[1] == os.getpid()
+                  and time.monotonic() - started[0] < FIRST_WINDOW_STALE)
+        self._since = started if recent else None
+        self._threads, self._decided = self.ceiling, False
+        self._measurable = self._sample() is not None
+
+    def threads(self, resumed_with: int | None = None) -> int:
+        """The threads for a trial starting now; a resumed trial's own (``resumed_with``) win."""
+        if resumed_with:
+            return max(1, min(resumed_with, self.ceiling))
+        if self.ceiling == 1 or not self._measurable:
+            return self.ceiling
+        first = not self._decided  # decided on a window of at least FIRST_WINDOW; later ones add up to min_window
+        if self._since is None:
+            self._since = self._sample()
+        now = self._sample()
+        if first and now is not None and self._since is not None and now[0] - self._since[0] < FIRST_WINDOW:
+            time.sleep(FIRST_WINDOW - (now[0] - self._since[0]))
+            now = self._sample()
+        if now is None or self._since is None:
+            return self.ceiling
+        wall = now[0] - self._since[0]
+        if first or wall >= self.min_window:
+            other = max(0.0, (now[2] - self._since[2]) - (now[3] - self._since[3])) / wall
+            self._threads = max(1, min(self.ceiling, math.floor(self.capacity - other + 0.25)))
+            self._since, self._decided = now, True
+        return self._threads
+
+    def _sample(self) -> tuple[float, int, float, float] | None:
+        return _sample(self._cgroup, self._cpus)
+
+
+#: The first decision's window: from this module's import when that is this recent (seconds), and
+#: at least this long (a sample taken then, when the trial starts sooner).
+FIRST_WINDOW_STALE, FIRST_WINDOW = 30.0, 0.2
+
+
+def _sample(cgroup: Path | None, cpus: set[int] | None) -> tuple[float, int, float, float] | None:
+    """(monotonic time, pid, busy CPU seconds of the cores or the cgroup, this process's CPU
+    seconds with its finished children's), or None where the busy time cannot be read."""
+    busy = _cgroup_busy(cgroup) if cgroup is not None else _cores_busy(cpus)
+    if busy is None:
+        return None
+    t = os.times()
+    return time.monotonic(), os.getpid(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def _cores_busy(cpus: set[int] | None, stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU seconds the ``cpus`` (all: None) spent busy since boot, whichever process ran."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu") and name[3:].isdigit() and (cpus is None or int(name[3:]) in cpus):
+            fields = [int(v) for v in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+            ticks += sum(fields) - fields[3] - fields[4]
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _cgroup_busy(root: Path) -> float | None:
+    """CPU seconds every process of this cgroup (v2) used: what competes for its CPU quota."""
+    try:
+        for line in (root / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+#: The counters at this module's import, a command's start: its first trial measures the load since.
+_STARTED = _sample(None, os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)

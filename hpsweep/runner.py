@@ -54,6 +54,7 @@ class TrialRunner:
     def __call__(self, trial: Trial) -> float | list[float]:
         job = self.job
         again: runs.TrialRecord | None = trial.user_attrs.pop("again", None)
+        devices.threads_for_trial(_started_with(again))  # before anything that computes
         if job.hp_space is not None:
             trial.params.update(_call_hp_space(job.hp_space, trial))
         # Before naming the folder: model_init(trial) may suggest the params hp_name reads.
@@ -224,6 +225,15 @@ def _call_hp_name(hp_name: Callable[[Trial], str], trial: Trial) -> str:
     if not isinstance(name, str) or not name.strip():
         raise UserError(f"hp_name(trial) returned {name!r}; return a non-empty string naming the run folder")
     return name
+
+
+def _started_with(again: runs.TrialRecord | None) -> int | None:
+    """The threads (all processes') a trial had when it started, if it resumes from a checkpoint:
+    it resumes with them, bit for bit (torch's sums depend on the thread count)."""
+    if again is None or runs.latest_checkpoint(Path(again.run_dir)) is None:
+        return None
+    threads, processes = again.user_attrs.get("threads"), again.user_attrs.get("processes", 1)
+    return threads * processes if isinstance(threads, int) and isinstance(processes, int) else None
 
 
 def _plain_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:

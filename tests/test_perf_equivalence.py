@@ -261,18 +261,24 @@ def test_the_last_checkpoint_is_written_in_place_and_holds_the_final_weights(tmp
 def test_a_sweep_trial_trains_what_a_plain_run_of_its_params_trains(tmp_path: Path) -> None:
     # A trial's model is built before its folder is named (hp_name may read what model_init
     # suggests), then handed to its trainer with the random state that building it left. So
-    # retraining the best params by hand gives the best model again, bit for bit: dropout and the
-    # shuffled loader draw from that state.
+    # retraining the best params by hand, on the trial's threads, gives the best model again, bit
+    # for bit: dropout and the shuffled loader draw from that state.
     sweep = make_trainer(tmp_path / "sweep", num_train_epochs=2, save_strategy="epoch")
     sweep.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-1,
                                                                                      log=True)},
                                 n_trials=2, pruner="none", seed=0, show_progress=False)
     records = runs.read_trials(tmp_path / "sweep")
     assert [r.state for r in records] == ["complete", "complete"]
+    threads = torch.get_num_threads()
     for r in records:
         plain = make_trainer(tmp_path / f"plain-{r.number}", num_train_epochs=2, save_strategy="epoch",
                              learning_rate=r.params["learning_rate"])
-        plain.train()
+        # on the trial's threads, which the load when it started decided (torch's sums depend on them)
+        torch.set_num_threads(r.user_attrs["threads"])
+        try:
+            plain.train()
+        finally:
+            torch.set_num_threads(threads)
         trained, swept = weights(plain), load_file(Path(r.run_dir) / r.checkpoint / "model.safetensors")
         assert swept.keys() == trained.keys() and all(torch.equal(swept[k], trained[k]) for k in trained)
 
