@@ -32,6 +32,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "scaling.py": (["--trials", "20"], ["hpsweep", "optuna"]),
     "memory.py": (["--trials", "3", "--hidden", "16"], ["trial"]),
     "threads.py": (["--rounds", "1"], ["default"]),
+    "other_load.py": (["--trials", "1", "--epochs", "1", "--rounds", "1", "--busy", "1"],
+                      ["| hand |", "| hpsweep |", "| hpsweep-pinned |"]),
     "ray_overhead.py": (["--trials", "2", "--concurrency", "1"], ["hpsweep", "torch"]),
 }
 
