@@ -12,6 +12,7 @@ end of trial 0 to the end of trial 9 (9 trials, no process start, no imports), p
 - hpsweep: ``hpsweep run search_spaces/digits_mlp.py --pruner none`` at its defaults (a study in a
   journal file, evaluation and a checkpoint every epoch, trial records, ``best/``);
 - hpsweep-nosave: the same with ``--set save_strategy=no`` (one checkpoint, at the end of each trial);
+- hpsweep-model-only: the same with ``--set save_only_model=true`` (every checkpoint the model alone);
 - hpsweep-base (with ``--base TREE``): the same, run from another checkout, for before/after;
 - hand: time_to_target.py's hand loop (``bench/_tasks.py``): in-memory study, torch's default AdamW
   kernel, evaluation every epoch, no checkpoint;
@@ -91,7 +92,8 @@ def run(variant: str, seed: int, work: Path, base: str | None) -> list[dict]:
         compile_sources(tree)
         cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(tree / "search_spaces" / "digits_mlp.py"),
                "--n-trials", str(TRIALS), "--seed", str(seed), "--pruner", "none", "--output-dir", str(out)]
-        cmd += ["--set", "save_strategy=no"] if variant == "hpsweep-nosave" else []
+        cmd += {"hpsweep-nosave": ["--set", "save_strategy=no"],
+                "hpsweep-model-only": ["--set", "save_only_model=true"]}.get(variant, [])
     else:
         fused = None if variant == "hand" else True
         cmd = [sys.executable, "-c", HAND.format(bench=str(BENCH), out=str(out), durable=variant == "hand-durable",

@@ -109,6 +109,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     save_strategy: str = "epoch"
     save_steps: Optional[int] = None
     save_total_limit: Optional[int] = None
+    save_only_model: bool = False  # checkpoints hold the model alone: a third the size, but no resume from them
     logging_strategy: str = "epoch"
     logging_steps: int = 50
     logging_first_step: bool = False
@@ -241,9 +242,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise UserError(f"num_train_epochs={self.num_train_epochs}: train for > 0 epochs or set max_steps > 0")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps"):
-            _positive(name, getattr(self, name))
-        for name in ("learning_rate", "adam_epsilon"):
+                     "logging_steps", "learning_rate", "adam_epsilon"):
             _positive(name, getattr(self, name))
         for name in ("weight_decay", "max_grad_norm", "momentum", "warmup_steps", "dataloader_num_workers",
                      "eval_delay"):

@@ -43,7 +43,8 @@ class Checkpointing:
         if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
             snapshot = runs.snapshot_checkpoint(model=bare_model(self.model_wrapped), optimizer=self.optimizer,
                                                 scheduler=self.lr_scheduler, state=self.state.to_dict(),
-                                                args=self.args.to_dict(), scaler=acc.scaler, copy=background)
+                                                args=self.args.to_dict(), scaler=acc.scaler, copy=background,
+                                                model_only=self.args.save_only_model)
             best = self.state.best_model_checkpoint
             writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
                           background=background)

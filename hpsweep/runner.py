@@ -70,11 +70,11 @@ class TrialRunner:
         if again is not None:
             run_dir = Path(again.run_dir)
             latest = runs.latest_checkpoint(run_dir)
-            resume_from = str(latest) if latest is not None else None
+            resume_from = _resume_point(run_dir, str(latest) if latest is not None else None)
         else:
             name = _call_hp_name(job.hp_name, trial) if job.hp_name and isinstance(built, _Prebuilt) else None
             run_dir = runs.run_dir_for(job.output_dir, trial.id, name)
-            resume_from = trial.user_attrs.get("resume_from")  # a backend's own checkpoint (Ray)
+            resume_from = _resume_point(run_dir, trial.user_attrs.get("resume_from"))  # a backend's own (Ray)
         fresh = not run_dir.exists()
         record = runs.TrialRecord(id=trial.id, number=trial.number, backend=self.backend, params=dict(trial.params),
                                   objective_name=job.objective_name, directions=list(job.directions),
@@ -227,10 +227,22 @@ def _call_hp_name(hp_name: Callable[[Trial], str], trial: Trial) -> str:
     return name
 
 
+def _resume_point(run_dir: Path, checkpoint: str | None) -> str | None:
+    """``checkpoint`` if the trial can go on from it. One that holds the model alone
+    (``save_only_model``) cannot: the trial starts again, and its earlier attempt's checkpoints
+    go, so that the two attempts' never mix in its folder."""
+    if checkpoint is None or runs.resumable(Path(checkpoint)):
+        return checkpoint
+    for old in runs.checkpoints(run_dir):
+        shutil.rmtree(old)
+    return None
+
+
 def _started_with(again: runs.TrialRecord | None) -> int | None:
     """The threads (all processes') a trial had when it started, if it resumes from a checkpoint:
     it resumes with them, bit for bit (torch's sums depend on the thread count)."""
-    if again is None or runs.latest_checkpoint(Path(again.run_dir)) is None:
+    latest = runs.latest_checkpoint(Path(again.run_dir)) if again is not None else None
+    if again is None or latest is None or not runs.resumable(latest):
         return None
     threads, processes = again.user_attrs.get("threads"), again.user_attrs.get("processes", 1)
     return threads * processes if isinstance(threads, int) and isinstance(processes, int) else None

@@ -135,6 +135,9 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if processes_per_trial > 1 and trainer.args.auto_find_batch_size:
         raise UserError("auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
                         "restart the others; set per_device_train_batch_size to a size that fits instead")
+    if scheduler == "pbt" and trainer.args.save_only_model:
+        raise UserError("--scheduler pbt goes on from other trials' checkpoints, and save_only_model=True writes the "
+                        "model alone, nothing to train on from; set save_only_model=False")
     # Devices are checked before anything is written: a request this machine cannot meet is one line.
     placement = devices.plan(n_jobs=n_jobs, resources=resources_per_trial, processes_per_trial=processes_per_trial,
                              gpus=devices.visible_gpus(), cores=devices.usable_cores(), local=address is None)

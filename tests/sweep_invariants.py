@@ -24,8 +24,9 @@ SLOW_ARGS = ', eval_strategy="steps", eval_steps=4, save_strategy="steps", save_
 
 
 def violations(output_dir: Path, n_trials: int, direction: str = "maximize",
-               before: dict[str, float] | None = None) -> list[str]:
-    """Every broken promise of DESIGN 5 in ``output_dir`` after a sweep that exited 0."""
+               before: dict[str, float] | None = None, model_only: bool = False) -> list[str]:
+    """Every broken promise of DESIGN 5 in ``output_dir`` after a sweep that exited 0
+    (``model_only``: its checkpoints hold the model alone, ``save_only_model=True``)."""
     import torch
     from safetensors.torch import load_file
 
@@ -45,7 +46,7 @@ def violations(output_dir: Path, n_trials: int, direction: str = "maximize",
         for checkpoint in runs.checkpoints(Path(r.run_dir)):
             try:
                 load_file(str(checkpoint / "model.safetensors"))
-                for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+                for name in () if model_only else ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
                     torch.load(checkpoint / name, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - any unreadable file is the violation
                 found.append(f"{checkpoint} does not load: {type(exc).__name__}: {exc}")

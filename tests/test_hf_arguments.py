@@ -111,10 +111,10 @@ def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: 
 def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
     import transformers
 
-    hf_args = transformers.TrainingArguments(str(tmp_path), save_only_model=True, report_to="none")
+    hf_args = transformers.TrainingArguments(str(tmp_path), ignore_data_skip=True, report_to="none")
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
-    assert "save_only_model=True" in str(info.value) and "leave it at its default (False)" in str(info.value)
+    assert "ignore_data_skip=True" in str(info.value) and "leave it at its default (False)" in str(info.value)
     compiled = transformers.TrainingArguments(str(tmp_path), torch_compile_mode="max-autotune", report_to="none")
     args = hpsweep.Trainer(model_init=Net, args=compiled).args  # converted: compiling is supported
     assert (args.torch_compile, args.torch_compile_backend, args.torch_compile_mode) == (True, "inductor", "max-autotune")

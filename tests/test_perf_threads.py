@@ -148,4 +148,6 @@ def test_a_resumed_trial_starts_with_the_threads_it_had(tmp_path: Path) -> None:
     run_dir.mkdir()
     assert _started_with(record) is None  # no checkpoint: it starts again from scratch, on today's share
     (run_dir / "checkpoint-5").mkdir()
+    assert _started_with(record) is None  # the model alone (save_only_model): it starts again too
+    (run_dir / "checkpoint-5" / "optimizer.pt").touch()
     assert _started_with(record) == 2

@@ -4,7 +4,8 @@ Layout (``DIR`` is ``--output-dir``)::
 
     DIR/run-<id>/checkpoint-<step>/   model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth,
                                       trainer_state.json, training_args.json (+ config.json;
-                                      + scaler.json, fp16's gradient scaler)
+                                      + scaler.json, fp16's gradient scaler; save_only_model:
+                                      the weights and the two JSON files)
     DIR/run-<id>/trial.json           the `TrialRecord`
     DIR/best/                         the best run's checkpoint, with README.md
     DIR/best_run.json                 the `BestRun` (a list of them for multi-objective sweeps)
@@ -27,6 +28,7 @@ from ._checkpoints import (
     load_weights,
     read_checkpoint,
     resolve_checkpoint,
+    resumable,
     rng_state,
     rotate_checkpoints,
     save_weights,
@@ -61,8 +63,8 @@ from ._records import (
 __all__ = [
     "atomic_dir", "read_json", "recover_interrupted_swaps", "write_json", "write_text",
     "CHECKPOINT_PREFIX", "SCALER_FILE", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
-    "load_weights", "read_checkpoint", "resolve_checkpoint", "rng_state", "rotate_checkpoints", "save_weights",
-    "set_rng_state", "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
+    "load_weights", "read_checkpoint", "resolve_checkpoint", "resumable", "rng_state", "rotate_checkpoints",
+    "save_weights", "set_rng_state", "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
     "BEST_DIR", "BEST_FILE", "FINAL_STATES", "JOURNAL", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialIndex",
     "TrialRecord", "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best",
     "read_best", "read_trials", "run_dir_for", "safe_name",

@@ -96,20 +96,26 @@ class CheckpointSnapshot:
 
     model: Any  # for save_pretrained and its config; its live weights are read only without a copy
     weights: dict[str, Any] | None  # None: no copy, the model's weights as they are when written
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None, and scheduler and rng: the model alone (save_only_model)
+    scheduler: dict[str, Any] | None
+    rng: dict[str, Any] | None
     state: dict[str, Any]
     args: dict[str, Any]
     scaler: dict[str, Any] | None = None  # fp16's gradient scaler: its scale and growth tracker (plain numbers)
 
 
 def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                        args: Mapping[str, Any], scaler: Any = None, copy: bool = True) -> CheckpointSnapshot:
+                        args: Mapping[str, Any], scaler: Any = None, copy: bool = True,
+                        model_only: bool = False) -> CheckpointSnapshot:
     """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
     tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
     live state and must be written before training goes on. ``scaler``: fp16's ``GradScaler``
-    (accelerate's ``Accelerator.scaler``), whose state is plain numbers, copied either way."""
+    (accelerate's ``Accelerator.scaler``), whose state is plain numbers, copied either way.
+    ``model_only`` (``save_only_model``): the weights and the trainer state, nothing to resume from."""
+    if model_only:
+        weights = _cpu_copy(model.state_dict(), {}) if copy else None
+        return CheckpointSnapshot(model=model, weights=weights, optimizer=None, scheduler=None, rng=None,
+                                  state=_cpu_copy(dict(state), {}), args=_cpu_copy(dict(args), {}))
     scaler_state = (scaler.state_dict() or None) if scaler is not None else None  # a disabled scaler has none
     if not copy:
         return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
@@ -143,15 +149,17 @@ def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
 
 def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
     """Write a whole checkpoint folder atomically: weights (safetensors), optimizer, scheduler and
-    RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them),
-    trainer_state.json, training_args.json, and scaler.json when fp16 training has a gradient scaler."""
+    RNG state (tensors and plain numbers only, so ``torch.load(weights_only=True)`` reads them;
+    none of the three for a model-only snapshot), trainer_state.json, training_args.json, and
+    scaler.json when fp16 training has a gradient scaler."""
     import torch
 
     with atomic_dir(final) as tmp:
         save_weights(snapshot.model, tmp, snapshot.weights)
-        torch.save(snapshot.optimizer, tmp / "optimizer.pt")
-        torch.save(snapshot.scheduler, tmp / "scheduler.pt")
-        torch.save(snapshot.rng, tmp / "rng_state.pth")
+        for name, value in (("optimizer.pt", snapshot.optimizer), ("scheduler.pt", snapshot.scheduler),
+                            ("rng_state.pth", snapshot.rng)):
+            if value is not None:
+                torch.save(value, tmp / name)
         # Plain writes: the folder is renamed into place as a whole, its files need no renames of their own.
         files = [("trainer_state.json", snapshot.state), ("training_args.json", snapshot.args)]
         if snapshot.scaler is not None:
@@ -290,6 +298,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def resumable(folder: Path) -> bool:
+    """Whether a run can go on from ``folder``: not when it holds the model alone (``save_only_model``)."""
+    return (folder / "optimizer.pt").exists()
+
+
 def resolve_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | None:
     """The checkpoint ``resume_from_checkpoint`` names: ``True`` for the latest in ``output_dir``,
     a path for that ``checkpoint-<step>`` folder; a wrong one is one `UserError`."""
@@ -298,11 +311,14 @@ def resolve_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | No
     if not resume:
         return None
     if resume is True:
-        found = latest_checkpoint(output_dir)
-        if found is None:
+        path = latest_checkpoint(output_dir)
+        if path is None:
             raise UserError(f"resume_from_checkpoint=True, but {output_dir} holds no checkpoint")
-        return found
-    path = Path(resume)
-    if not (path / "trainer_state.json").exists():
-        raise UserError(f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder")
+    else:
+        path = Path(resume)
+        if not (path / "trainer_state.json").exists():
+            raise UserError(f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder")
+    if not resumable(path):  # transformers goes on with a new optimizer and schedule: not the run it was
+        raise UserError(f"{path} holds the model alone (save_only_model=True) and cannot resume its run; train "
+                        "without resume_from_checkpoint to start again, or keep full checkpoints (save_only_model=False)")
     return path
