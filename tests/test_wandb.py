@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import hpsweep_cli, write_space
+from sweep_invariants import SLOW_TRIALS
+
 from hpsweep import runs
 
 
@@ -165,7 +167,8 @@ def test_missing_extra_names_the_install_command(tmp_path: Path, offline: dict, 
 
 
 def test_ctrl_c_then_rerun_finishes_the_stopped_trial_from_its_checkpoint(tmp_path: Path, offline: dict) -> None:
-    space = write_space(tmp_path, epochs=12)
+    # Slowed steps: the tiny trial would otherwise finish between its second checkpoint and the Ctrl-C.
+    space = write_space(tmp_path, epochs=12, extra=SLOW_TRIALS.format(step_s=0.02))
     out = tmp_path / "out"
     command = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--backend", "wandb", "--sampler", "random",
                "--n-trials", "1"]
