@@ -28,6 +28,7 @@ from .argsview import TransformersView
 from .errors import UserError, did_you_mean
 
 STRATEGIES = ("no", "steps", "epoch")
+SAMPLING = ("random", "sequential", "group_by_length")  # transformers' train_sampling_strategy but one
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the ``lr_scheduler_kwargs`` each schedule takes (transformers' names and defaults, in hpsweep/optim.py)
@@ -82,6 +83,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     auto_find_batch_size: bool = False  # out of memory: halve per_device_train_batch_size, train again
     gradient_accumulation_steps: int = 1
     dataloader_drop_last: bool = False
+    train_sampling_strategy: str = "random"  # "sequential"; "group_by_length": transformers' LengthGroupedSampler
+    length_column_name: str = "length"  # group_by_length reads the lengths from this column when there is one
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
     remove_unused_columns: bool = True
@@ -202,10 +205,10 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         self.include_inputs_for_metrics = "inputs" in self.include_for_metrics
 
     def _check(self) -> None:
-        _choice("eval_strategy", self.eval_strategy, STRATEGIES)
-        _choice("save_strategy", self.save_strategy, STRATEGIES)
-        _choice("logging_strategy", self.logging_strategy, STRATEGIES)
-        _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        for name, allowed in (("eval_strategy", STRATEGIES), ("save_strategy", STRATEGIES), ("optim", OPTIMIZERS),
+                              ("logging_strategy", STRATEGIES), ("train_sampling_strategy", SAMPLING),
+                              ("lr_scheduler_type", SCHEDULERS), ("mixed_precision", PRECISIONS)):
+            _choice(name, getattr(self, name), allowed)
         if self.torch_compile:
             from accelerate.utils import DynamoBackend
 
@@ -220,8 +223,6 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             if key not in takes or isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UserError(f"lr_scheduler_kwargs {key}={value!r}: the {self.lr_scheduler_type} schedule takes "
                                 f"{' and '.join(takes) or 'no arguments'}" + (", as numbers" if takes else ""))
-        _choice("optim", self.optim, OPTIMIZERS)
-        _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         if self.optim == "adafactor" and importlib.util.find_spec("transformers") is None:
             raise UserError("optim='adafactor' is transformers' Adafactor; install it: pip install transformers")
         if self.fp16_full_eval and self.bf16_full_eval:

@@ -205,6 +205,42 @@ def split_labels(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
+def train_sampler(dataset: Any, args: Any, seed: int, processing_class: Any) -> torch.utils.data.Sampler | None:
+    """The training order ``args.train_sampling_strategy`` names, as transformers': None for
+    ``"random"`` (the loader shuffles), the dataset's own order, or transformers'
+    ``LengthGroupedSampler``: shuffled, then sorted by length within mega-batches of optimizer
+    steps, so that a batch pads little. Its lengths come from the ``length_column_name`` column of
+    a ``datasets.Dataset`` that has one, else from each sample's first ``model_input_names`` of
+    the processing class (``input_ids``). Each epoch's order is drawn from ``seed`` + the epoch,
+    as the random order is, so a run resumed mid-epoch goes on in the same order."""
+    if args.train_sampling_strategy == "sequential":
+        return torch.utils.data.SequentialSampler(dataset)
+    if args.train_sampling_strategy != "group_by_length":
+        return None
+    length_column = args.length_column_name
+    batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    input_name = (getattr(processing_class, "model_input_names", None) or [None])[0]
+    try:
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+    except ImportError:
+        raise UserError("train_sampling_strategy='group_by_length' is transformers' LengthGroupedSampler; "
+                        "install it: pip install transformers") from None
+
+    class EpochSeeded(LengthGroupedSampler):
+        def set_epoch(self, epoch: int) -> None:  # accelerate's loader calls it before each epoch
+            self.generator.manual_seed(seed + epoch)
+
+    column = is_hf_dataset(dataset) and length_column in dataset.column_names
+    try:
+        sampler = EpochSeeded(batch_size, dataset=dataset, lengths=list(dataset[length_column]) if column else None,
+                              model_input_name=input_name, generator=torch.Generator())
+    except ValueError as exc:  # samples that are not dicts with input_ids
+        raise UserError(f"train_sampling_strategy='group_by_length': {str(exc).rstrip('.')}; give the train_dataset "
+                        f"a {length_column!r} column (length_column_name), or use another strategy") from None
+    sampler.set_epoch(0)
+    return sampler
+
+
 def check_not_empty(dataset: Any, name: str) -> None:
     """An empty dataset fails every trial the same way: say so, instead of torch's sampler error."""
     resolved = resolve_dataset(dataset)

@@ -188,7 +188,7 @@ class Evaluation:
         key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
         if key not in loaders:
             loaders[key] = (dataset, acc.prepare(self._dataloader(dataset, self.args.per_device_eval_batch_size,
-                                                                  shuffle=False)))
+                                                                  train=False)))
         return loaders[key][1]
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,

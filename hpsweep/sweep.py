@@ -135,6 +135,9 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if processes_per_trial > 1 and trainer.args.auto_find_batch_size:
         raise UserError("auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
                         "restart the others; set per_device_train_batch_size to a size that fits instead")
+    if processes_per_trial > 1 and trainer.args.train_sampling_strategy == "group_by_length":
+        raise UserError("train_sampling_strategy='group_by_length' with --processes-per-trial: the processes' "
+                        "shares of a grouped order are not drawn per epoch yet; use 'random' or one process per trial")
     if scheduler == "pbt" and trainer.args.save_only_model:
         raise UserError("--scheduler pbt goes on from other trials' checkpoints, and save_only_model=True writes the "
                         "model alone, nothing to train on from; set save_only_model=False")

@@ -26,7 +26,7 @@ from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, Train
                         TrainerState, flow_on_epoch, flow_on_step)
 from .accel import bare_model, is_prepared_loader, make_accelerator
 from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
-                   resolve_dataset, signature_columns, split_labels)
+                   resolve_dataset, signature_columns, split_labels, train_sampler)
 from .errors import UserError
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
@@ -37,9 +37,8 @@ from .steps import step_ops
 
 
 class TrainOutput(NamedTuple):
-    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``,
-    ``train_samples_per_second``, ``train_steps_per_second``, ``train_loss`` and ``epoch``, and
-    the ``eval_*`` metrics of the last evaluation (of the best one after ``load_best_model_at_end``)."""
+    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``, ``train_samples_per_second``,
+    ``train_steps_per_second``, ``train_loss``, ``epoch``, and the last (or best) evaluation's ``eval_*``."""
 
     global_step: int
     training_loss: float
@@ -136,10 +135,10 @@ class Trainer(Checkpointing, Evaluation):
         assert self.model_init is not None
         return call_model_init(self.model_init, trial)
 
-    def _dataloader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
-        """A loader whose batches hold only what the model takes (``remove_unused_columns``)."""
-        dataset = resolve_dataset(dataset)
-        what = "train_dataset" if shuffle else "eval_dataset"
+    def _dataloader(self, dataset: Any, batch_size: int, train: bool) -> DataLoader:
+        """Batches of what the model takes (``remove_unused_columns``); training's in its sampling order."""
+        dataset = given = resolve_dataset(dataset)
+        what = "train_dataset" if train else "eval_dataset"
         columns = signature_columns(self.model, self.args.label_names) if self.args.remove_unused_columns else None
         if columns is not None and self.compute_loss_func is not None:
             columns.append("labels")  # compute_loss_func takes them, even when the forward does not
@@ -149,25 +148,26 @@ class Trainer(Checkpointing, Evaluation):
                 self._columns_removed[key] = (dataset, remove_unused_columns(dataset, columns, self.model, what))
             dataset, columns = self._columns_removed[key][1], None
         seed = self.args.seed if self.args.data_seed is None else self.args.data_seed  # the order of the data
-        return DataLoader(batched(dataset, self.data_collator), batch_size=batch_size, shuffle=shuffle,
-                          collate_fn=Collator(self.data_collator, columns, what),
-                          drop_last=self.args.dataloader_drop_last and shuffle,
-                          num_workers=self.args.dataloader_num_workers,
-                          pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
-                          generator=torch.Generator().manual_seed(seed) if shuffle else None)
+        sampler = train_sampler(given, self.args, seed, self.processing_class) if train else None
+        shuffled, args = train and sampler is None, self.args
+        return DataLoader(batched(dataset, self.data_collator), batch_size=batch_size, shuffle=shuffled,
+                          sampler=sampler, collate_fn=Collator(self.data_collator, columns, what),
+                          num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last and train,
+                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+                          generator=torch.Generator().manual_seed(seed) if shuffled else None)
 
     # --- transformers' override points: what a subclass replaces -------------------------------------
     # A sweep builds every trial's trainer from the class of the one it was given, so a subclass's
     # methods run in every trial.
 
     def get_train_dataloader(self) -> DataLoader:
-        """The training batches: ``train_dataset`` shuffled (seeded by ``args.data_seed`` or ``seed``) in
-        ``per_device_train_batch_size`` batches. An override may return any ``DataLoader``,
-        prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
+        """The training batches: ``train_dataset`` in ``per_device_train_batch_size`` batches, shuffled (by
+        ``data_seed`` or ``seed``) unless ``train_sampling_strategy`` says otherwise. An override may return
+        any ``DataLoader``, prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
         if self.train_dataset is None:
             raise UserError("no train_dataset; give the Trainer a train_dataset")
         check_not_empty(self.train_dataset, "train_dataset")
-        return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, shuffle=True)
+        return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, train=True)
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         """Set ``self.optimizer`` and ``self.lr_scheduler`` for a run of ``num_training_steps``
