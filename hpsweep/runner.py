@@ -54,7 +54,8 @@ class TrialRunner:
     def __call__(self, trial: Trial) -> float | list[float]:
         job = self.job
         again: runs.TrialRecord | None = trial.user_attrs.pop("again", None)
-        devices.threads_for_trial(_started_with(again))  # before anything that computes
+        latest = runs.latest_checkpoint(Path(again.run_dir)) if again is not None else None
+        devices.threads_for_trial(_started_with(again, latest))  # before anything that computes
         if job.hp_space is not None:
             trial.params.update(_call_hp_space(job.hp_space, trial))
         # Before naming the folder: model_init(trial) may suggest the params hp_name reads.
@@ -69,7 +70,6 @@ class TrialRunner:
             built = exc
         if again is not None:
             run_dir = Path(again.run_dir)
-            latest = runs.latest_checkpoint(run_dir)
             resume_from = _resume_point(run_dir, str(latest) if latest is not None else None)
         else:
             name = _call_hp_name(job.hp_name, trial) if job.hp_name and isinstance(built, _Prebuilt) else None
@@ -238,10 +238,9 @@ def _resume_point(run_dir: Path, checkpoint: str | None) -> str | None:
     return None
 
 
-def _started_with(again: runs.TrialRecord | None) -> int | None:
-    """The threads (all processes') a trial had when it started, if it resumes from a checkpoint:
-    it resumes with them, bit for bit (torch's sums depend on the thread count)."""
-    latest = runs.latest_checkpoint(Path(again.run_dir)) if again is not None else None
+def _started_with(again: runs.TrialRecord | None, latest: Path | None) -> int | None:
+    """The threads (all processes') a trial had when it started, if it resumes from its ``latest``
+    checkpoint: it resumes with them, bit for bit (torch's sums depend on the thread count)."""
     if again is None or latest is None or not runs.resumable(latest):
         return None
     threads, processes = again.user_attrs.get("threads"), again.user_attrs.get("processes", 1)

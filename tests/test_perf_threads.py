@@ -146,8 +146,9 @@ def test_a_resumed_trial_starts_with_the_threads_it_had(tmp_path: Path) -> None:
                               directions=["minimize"], run_dir=str(run_dir),
                               user_attrs={"threads": 1, "processes": 2})
     run_dir.mkdir()
-    assert _started_with(record) is None  # no checkpoint: it starts again from scratch, on today's share
+    latest = lambda: runs.latest_checkpoint(run_dir)  # noqa: E731 - as the runner reads it
+    assert _started_with(record, latest()) is None  # no checkpoint: it starts again from scratch, on today's share
     (run_dir / "checkpoint-5").mkdir()
-    assert _started_with(record) is None  # the model alone (save_only_model): it starts again too
+    assert _started_with(record, latest()) is None  # the model alone (save_only_model): it starts again too
     (run_dir / "checkpoint-5" / "optimizer.pt").touch()
-    assert _started_with(record) == 2
+    assert _started_with(record, latest()) == 2 and _started_with(None, None) is None
