@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import UserError
 
@@ -297,9 +298,10 @@ class CoreShare:
     shorter than ``min_window`` seconds (trials of a fraction of a second) are added up until they
     are long enough, the trials meanwhile keeping the last decision. The first window runs from
     the import of this module (a command's start-up) when that is recent, and lasts at least
-    `FIRST_WINDOW` (0.2 s, waited for when the first trial starts sooner). A decision rounds down unless a core is at least three quarters free: an
-    oversubscribed core costs more (two threads beside one busy process: 2.2-2.5x) than an idle
-    one. Where nothing can be measured (no ``/proc``), trials get the ceiling.
+    `FIRST_WINDOW` (0.2 s, waited for when the first trial starts sooner). A decision rounds down
+    unless a core is at least three quarters free: an oversubscribed core costs more (two threads
+    beside one busy process: 2.2-2.5x) than an idle one. Where nothing can be measured (no
+    ``/proc``), trials get the ceiling.
     """
 
     def __init__(self, ceiling: int, *, min_window: float = 0.5, cgroup: Path = Path("/sys/fs/cgroup")) -> None:
@@ -309,8 +311,8 @@ class CoreShare:
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.capacity = quota if quota is not None else float(len(self._cpus) if self._cpus else os.cpu_count() or 1)
         started = _STARTED
-        recent = (started is not None and self._cgroup is None and started[1] == os.getpid()
-                  and time.monotonic() - started[0] < FIRST_WINDOW_STALE)
+        recent = (started is not None and self._cgroup is None and started.pid == os.getpid()
+                  and time.monotonic() - started.wall < FIRST_WINDOW_STALE)
         self._since = started if recent else None
         self._threads, self._decided = self.ceiling, False
         self._measurable = self._sample() is not None
@@ -321,23 +323,21 @@ class CoreShare:
             return max(1, min(resumed_with, self.ceiling))
         if self.ceiling == 1 or not self._measurable:
             return self.ceiling
-        first = not self._decided  # decided on a window of at least FIRST_WINDOW; later ones add up to min_window
-        if self._since is None:
-            self._since = self._sample()
+        since = self._since = self._since or self._sample()
         now = self._sample()
-        if first and now is not None and self._since is not None and now[0] - self._since[0] < FIRST_WINDOW:
-            time.sleep(FIRST_WINDOW - (now[0] - self._since[0]))
-            now = self._sample()
-        if now is None or self._since is None:
+        if since is None or now is None:
             return self.ceiling
-        wall = now[0] - self._since[0]
-        if first or wall >= self.min_window:
-            other = max(0.0, (now[2] - self._since[2]) - (now[3] - self._since[3])) / wall
+        if not self._decided and now.wall - since.wall < FIRST_WINDOW:  # the first decision's shortest window
+            time.sleep(FIRST_WINDOW - (now.wall - since.wall))
+            now = self._sample() or now
+        wall = now.wall - since.wall
+        if not self._decided or wall >= self.min_window:  # later ones add up to min_window
+            other = max(0.0, (now.busy - since.busy) - (now.own - since.own)) / wall
             self._threads = max(1, min(self.ceiling, math.floor(self.capacity - other + 0.25)))
             self._since, self._decided = now, True
         return self._threads
 
-    def _sample(self) -> tuple[float, int, float, float] | None:
+    def _sample(self) -> _Sample | None:
         return _sample(self._cgroup, self._cpus)
 
 
@@ -346,14 +346,20 @@ class CoreShare:
 FIRST_WINDOW_STALE, FIRST_WINDOW = 30.0, 0.2
 
 
-def _sample(cgroup: Path | None, cpus: set[int] | None) -> tuple[float, int, float, float] | None:
-    """(monotonic time, pid, busy CPU seconds of the cores or the cgroup, this process's CPU
-    seconds with its finished children's), or None where the busy time cannot be read."""
+class _Sample(NamedTuple):
+    wall: float  # time.monotonic()
+    pid: int  # the process that took it (a forked worker's first window is its own)
+    busy: float  # CPU seconds the cores (or the cgroup) were busy, whichever process ran
+    own: float  # this process's CPU seconds and its finished children's
+
+
+def _sample(cgroup: Path | None, cpus: set[int] | None) -> _Sample | None:
+    """The counters now, or None where the busy time cannot be read."""
     busy = _cgroup_busy(cgroup) if cgroup is not None else _cores_busy(cpus)
     if busy is None:
         return None
     t = os.times()
-    return time.monotonic(), os.getpid(), busy, t.user + t.system + t.children_user + t.children_system
+    return _Sample(time.monotonic(), os.getpid(), busy, t.user + t.system + t.children_user + t.children_system)
 
 
 def _cores_busy(cpus: set[int] | None, stat: Path = Path("/proc/stat")) -> float | None:
