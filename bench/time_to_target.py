@@ -18,6 +18,11 @@ for the same number of trials, seeded, with one torch thread per process (OMP_NU
 - optuna-fused (not run unless named): the same with ``AdamW(fused=True)``, the kernel hpsweep's
   default optimizer runs: what the hand loop gains by that one argument.
 
+Before the timed runs, each contender runs two trials of each task untimed (`warm_up`).
+With ``--repeats R`` every (contender, seed) runs R times, the repeats interleaved too, and a
+seed's time is the median of its R: a single run's start-up varies by ±0.1-0.5 s on this machine,
+as much as the gaps being measured on digits.
+
 The target is the best accuracy any contender reached on that task, less 0.5 points; and, as
 short runs rarely reach that, the median run's best less 0.5 points. For each run: seconds from the process start until the first trial that finished training reached it
 (pruned or stopped trials do not count); a run that never did counts its whole run and is
@@ -34,6 +39,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import run_sampled  # noqa: E402
@@ -194,7 +200,7 @@ def run(contender: str, task: str, seed: int, trials: int, work: Path) -> dict:
     else:
         done = [(row["t"], row["acc"]) for row in map(json.loads, results.read_text().splitlines())]
     done.sort()
-    return {"wall": r.end - r.start, "cpu": r.cpu, "finished": len(done),
+    return {"seed": seed, "wall": r.end - r.start, "cpu": r.cpu, "finished": len(done),
             "curve": [(t - r.start, r.cpu_at(t), acc) for t, acc in done]}
 
 
@@ -213,36 +219,54 @@ def summarise(task: str, results: dict[str, list[dict]], trials: int) -> str:
                   "| median CPU s to target | CPU vs hpsweep | first to the target, seeds | median best "
                   "| median finished trials |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        to_target = {}
-        for name, runs in results.items():
-            hits = [next(((w, c) for w, c, acc in r["curve"] if acc >= target), None) for r in runs]
-            to_target[name] = ([h[0] if h else r["wall"] for h, r in zip(hits, runs)],
-                               [h[1] if h else r["cpu"] for h, r in zip(hits, runs)],
-                               sum(h is not None for h in hits))
-        base_w, base_c, _ = to_target.get("hpsweep", next(iter(to_target.values())))
+        to_target = {name: _per_seed(runs, target) for name, runs in results.items()}
+        base_w, base_c, _, _ = to_target.get("hpsweep", next(iter(to_target.values())))
         first = _firsts(results, target)
         for name, runs in results.items():
-            w, c, reached = to_target[name]
+            w, c, reached, _ = to_target[name]
             rw = statistics.median(a / b for a, b in zip(w, base_w))
             rc = statistics.median(a / b for a, b in zip(c, base_c))
-            lines.append(f"| {name} | {reached}/{len(runs)} | {statistics.median(w):.1f} | {rw:.2f}x | "
+            lines.append(f"| {name} | {reached}/{len(w)} | {statistics.median(w):.1f} | {rw:.2f}x | "
                          f"{statistics.median(c):.1f} | {rc:.2f}x | {first.count(name)} | "
                          f"{statistics.median(max((a for *_, a in r['curve']), default=0) for r in runs):.4f} | "
                          f"{statistics.median(r['finished'] for r in runs):.0f} |")
     return "\n".join(lines)
 
 
+def _per_seed(runs: list[dict], target: float) -> tuple[list[float], list[float], int, list[bool]]:
+    """Wall and CPU seconds to ``target`` per seed (a run that never got there: its whole run), the
+    number of seeds that got there, and which. With ``--repeats``, a seed's figures are the medians
+    over its repeats, and it got there when most of its repeats did. Runs saved before runs carried
+    their seed are one seed each, in order."""
+    by_seed: dict[Any, list[tuple[float, float, bool]]] = {}
+    for i, r in enumerate(runs):
+        hit = next(((w, c) for w, c, acc in r["curve"] if acc >= target), None)
+        by_seed.setdefault(r.get("seed", f"#{i}"), []).append((hit or (r["wall"], r["cpu"])) + (hit is not None,))
+    walls = [statistics.median(w for w, _, _ in reps) for reps in by_seed.values()]
+    cpus = [statistics.median(c for _, c, _ in reps) for reps in by_seed.values()]
+    got = [2 * sum(ok for *_, ok in reps) > len(reps) for reps in by_seed.values()]
+    return walls, cpus, sum(got), got
+
+
 def _firsts(results: dict[str, list[dict]], target: float) -> list[str]:
-    """For each seed that some contender's run reached the target in: the contender that got there
-    first (wall time)."""
+    """For each seed that some contender reached the target in: the contender that got there first
+    (wall time; with ``--repeats``, the median over the repeats)."""
+    per = {name: _per_seed(runs, target) for name, runs in results.items()}
     out = []
-    for runs in zip(*results.values()):
-        times = {name: next((w for w, _, acc in r["curve"] if acc >= target), None)
-                 for name, r in zip(results, runs)}
-        reached = {name: t for name, t in times.items() if t is not None}
+    for seed_times in zip(*((zip(w, got) for w, _, _, got in per.values()))):
+        reached = {name: w for name, (w, ok) in zip(per, seed_times) if ok}
         if reached:
             out.append(min(reached, key=reached.__getitem__))
     return out
+
+
+def warm_up(contenders: list[str], tasks: list[str], work: Path) -> None:
+    """One untimed two-trial run of each contender on each task before any timed one: the first
+    process after a quiet spell reads torch's libraries from disk, not from the page cache, and
+    the contender that runs first (hpsweep, seed 0) was 0.7-1.3 s slower for it in sessions 16 and 18."""
+    for task in tasks:
+        for c in contenders:
+            run(c, task, 0, 2, work)
 
 
 def main() -> None:
@@ -252,6 +276,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--trials", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every (contender, seed) this many times, interleaved; a seed's time is their median")
     parser.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "optuna-fused"))
     parser.add_argument("--plot", default=str(BENCH / "time_to_target.png"), help="PNG of the best-so-far curves")
     parser.add_argument("--save", help="write the raw curves here (JSON)")
@@ -262,15 +288,18 @@ def main() -> None:
     contenders = ns.contenders.split(",")
     all_results: dict[str, dict[str, list[dict]]] = json.loads(Path(ns.load).read_text()) if ns.load else {}
     with tempfile.TemporaryDirectory() as tmp:
+        if not ns.load:
+            warm_up(contenders, ns.tasks.split(","), Path(tmp) / "warm-up")
         for task in [] if ns.load else ns.tasks.split(","):
             all_results[task] = {c: [] for c in contenders}
-            for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
-                for c in contenders:
-                    r = run(c, task, seed, ns.trials, Path(tmp))
-                    all_results[task][c].append(r)
-                    print(f"  {task} seed {seed} {c:<14} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, "
-                          f"{r['finished']} finished, best {max((a for *_, a in r['curve']), default=0):.4f}",
-                          file=sys.stderr, flush=True)
+            for repeat in range(ns.repeats):
+                for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
+                    for c in contenders:
+                        r = run(c, task, seed, ns.trials, Path(tmp) / f"repeat-{repeat}")
+                        all_results[task][c].append(r)
+                        print(f"  {task} seed {seed} {c:<14} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, "
+                              f"{r['finished']} finished, best {max((a for *_, a in r['curve']), default=0):.4f}",
+                              file=sys.stderr, flush=True)
     if ns.save:
         Path(ns.save).write_text(json.dumps(all_results))
     for task, results in all_results.items():
@@ -278,6 +307,7 @@ def main() -> None:
     plot(all_results, Path(ns.plot))
     flags = "--quick" if ns.quick else f"--tasks {ns.tasks} --seeds {ns.seeds} --trials {ns.trials}"
     flags += f" --first-seed {ns.first_seed}" if ns.first_seed else ""
+    flags += f" --repeats {ns.repeats}" if ns.repeats > 1 else ""
     flags = f"--load {ns.load} --trials {ns.trials}" if ns.load else flags
     print(f"\nplot: {ns.plot}\nreproduce: python bench/time_to_target.py {flags} --contenders {ns.contenders}")
 

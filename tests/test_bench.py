@@ -24,8 +24,9 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "step_overhead.py": (["--rounds", "1"], ["hand-bare", "hpsweep-bare"]),
     "n_jobs.py": (["--trials", "4", "--rounds", "1"], ["| 1 |", "| 2 |"]),
     "trial_cost.py": (["--rounds", "1", "--seeds", "1", "--variants", "hpsweep,hand"], ["| hpsweep |", "| hand |"]),
-    "time_to_target.py": (["--tasks", "digits", "--seeds", "1", "--trials", "3", "--contenders", "hpsweep,optuna",
-                           "--plot", "{tmp}/ttt.png", "--save", "{tmp}/ttt.json"], ["| hpsweep |", "| optuna |"]),
+    "time_to_target.py": (["--tasks", "digits", "--seeds", "1", "--trials", "3", "--repeats", "2",
+                           "--contenders", "hpsweep,optuna", "--plot", "{tmp}/ttt.png", "--save", "{tmp}/ttt.json"],
+                          ["| hpsweep |", "| optuna |"]),
     "pruner_settings.py": (["--trials", "3", "--seeds", "1", "--candidates", "median(startup=3 warmup=1)"],
                            ["median(startup=3 warmup=1)"]),
     "same_training.py": (["--configs", "2"], ["hpsweep"]),
@@ -58,3 +59,26 @@ def test_bench_runs(script: str, tmp_path: Path) -> None:
 
 def _bench_files() -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in BENCH.iterdir() if p.is_file()}
+
+
+def test_time_to_target_takes_each_seeds_median_over_its_repeats() -> None:
+    """With --repeats, one slow start-up does not decide a seed: its time is the median of its
+    repeats, and it counts as reached when most repeats reached the target."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import time_to_target
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def run(seed: int, hit_at: float | None, wall: float) -> dict:
+        curve = [(1.0, 1.0, 0.5)] + ([(hit_at, hit_at, 0.99)] if hit_at is not None else [])
+        return {"seed": seed, "wall": wall, "cpu": wall, "finished": len(curve), "curve": curve}
+
+    runs = [run(0, 3.0, 5.0), run(1, None, 6.0), run(0, 9.0, 10.0), run(1, 4.0, 5.0), run(0, 4.0, 5.0),
+            run(1, None, 7.0)]
+    walls, cpus, reached, got = time_to_target._per_seed(runs, target=0.98)
+    assert walls == [4.0, 6.0] and cpus == [4.0, 6.0]  # seed 0: median of 3, 9, 4; seed 1: of 6 (never), 4, 7 (never)
+    assert got == [True, False] and reached == 1
+    # runs saved before they carried their seed: each one its own seed, in order
+    old = [{k: v for k, v in r.items() if k != "seed"} for r in runs[:2]]
+    assert time_to_target._per_seed(old, target=0.98)[0] == [3.0, 6.0]
