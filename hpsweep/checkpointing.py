@@ -59,7 +59,7 @@ class Checkpointing:
         output_dir = Path(output_dir if output_dir is not None else self.args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         model = bare_model(self.model_wrapped) if hasattr(self, "accelerator") else self.model
-        runs.save_weights(model, output_dir)
+        runs.save_weights(model, output_dir, quiet=self.args.disable_progress)
         save_processing_class(self.processing_class, output_dir)
 
     def _load_checkpoint(self, folder: Path) -> Any:

@@ -11,11 +11,13 @@ import re
 from pathlib import Path
 
 import datasets
+import huggingface_hub.utils as hub_utils
 import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
                           BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast)
+from transformers.utils import logging as hf_logging
 
 from hpsweep import Trainer, TrainingArguments  # was: from transformers import Trainer, TrainingArguments
 
@@ -75,10 +77,16 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     trainer = Trainer(model_init=model_init, args=training_args, train_dataset=train_dataset,
                       eval_dataset=eval_dataset, processing_class=tokenizer,
                       data_collator=DataCollatorWithPadding(tokenizer=tokenizer), compute_metrics=compute_metrics)
+    bars_before = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
     best_run = trainer.hyperparameter_search(hp_space=hp_space, direction="maximize", backend="optuna", n_trials=2)
 
     # It optimised the accuracy: with one metric, transformers' default objective is that metric.
-    assert "hpsweep: optimising the sum of compute_metrics' eval metrics" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "hpsweep: optimising the sum of compute_metrics' eval metrics" in printed.out
+    # Quietly (disable_tqdm): transformers 5's save_pretrained shows a bar for every save, so one
+    # per checkpoint of every trial; the sweep turns them off while it saves, then back as they were.
+    assert "Writing model shards" not in printed.err
+    assert (hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()) == bars_before
     out = tmp_path / "out"
     summary = json.loads((out / "best_run.json").read_text())
     assert summary["objective"] == summary["run_summary"]["metrics"]["eval_accuracy"] > 0.6

@@ -2,6 +2,7 @@
 reading them back without pickle, rotating them, and the RNG state they carry."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -9,7 +10,7 @@ import shutil
 import threading
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,17 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> l
     return doomed
 
 
-def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None) -> None:
+def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None, *, quiet: bool = False) -> None:
     """Model weights as safetensors; Hugging Face models also write their config.json.
 
     ``state_dict`` (a `snapshot_checkpoint` copy) is written instead of the model's live weights.
+    ``quiet`` (the run's ``disable_tqdm``, which every sweep trial has): without transformers'
+    "Writing model shards" bar, which transformers 5 shows for every save, so every checkpoint.
     """
     if hasattr(model, "save_pretrained") and hasattr(model, "config"):
         extra = {} if state_dict is None else {"state_dict": dict(state_dict)}
-        model.save_pretrained(folder, safe_serialization=True, **extra)
+        with _transformers_bars_off() if quiet else contextlib.nullcontext():
+            model.save_pretrained(folder, safe_serialization=True, **extra)
     else:
         from safetensors.torch import save_model
 
@@ -67,6 +71,43 @@ def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None 
         # de-duplication of tied weights as the live model.
         source = model if state_dict is None else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
         save_model(source, str(folder / "model.safetensors"))
+
+
+_BARS_LOCK = threading.Lock()
+_bars_off = 0  # saves under _transformers_bars_off now (a background checkpoint and a save_model can overlap)
+_bars_were: tuple[bool, bool] = (False, False)
+
+
+@contextlib.contextmanager
+def _transformers_bars_off() -> Iterator[None]:
+    """transformers' progress bars off, through its own switch, then back as they were. The switch
+    is process-wide and also turns huggingface_hub's bars off, so both states are restored, once
+    the last of overlapping saves is done."""
+    global _bars_off, _bars_were
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:  # another library's save_pretrained (diffusers')
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    with _BARS_LOCK:
+        if _bars_off == 0:
+            _bars_were = (hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled())
+            hf_logging.disable_progress_bar()
+        _bars_off += 1
+    try:
+        yield
+    finally:
+        with _BARS_LOCK:
+            _bars_off -= 1
+            if _bars_off == 0:
+                transformers_on, hub_off = _bars_were
+                if transformers_on:
+                    hf_logging.enable_progress_bar()  # turns the hub's on too
+                if hub_off != hub_utils.are_progress_bars_disabled():
+                    (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
 
 
 def load_weights(model: Any, folder: Path) -> None:
@@ -155,7 +196,7 @@ def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
     import torch
 
     with atomic_dir(final) as tmp:
-        save_weights(snapshot.model, tmp, snapshot.weights)
+        save_weights(snapshot.model, tmp, snapshot.weights, quiet=bool(snapshot.args.get("disable_progress")))
         for name, value in (("optimizer.pt", snapshot.optimizer), ("scheduler.pt", snapshot.scheduler),
                             ("rng_state.pth", snapshot.rng)):
             if value is not None:
