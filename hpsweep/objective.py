@@ -49,7 +49,7 @@ def check_objective(objective: Any, where: str = "objective") -> None:
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     takes_trial = bool(params) and (params[0].name == "trial" or "Trial" in str(params[0].annotation))
     if takes_trial or len(required) > 1 or (not required and not any(p.kind == p.VAR_POSITIONAL for p in params)):
-        name = getattr(objective, "__name__", "objective")
+        name = function_name(objective)
         raise UserError(f"{where}: {name}({', '.join(p.name for p in params)}) is not a function of the metrics "
                         "(an Optuna-style objective(trial)? hpsweep trains each trial itself); rename that "
                         "function and set objective = 'eval_<metric>' or a function metrics -> float")
@@ -77,10 +77,18 @@ def resolve_objective(objective: Any, directions: Sequence[str],
     return objective
 
 
+def function_name(objective: Any) -> str:
+    """The name an objective function shows under in tables, records and MLflow: its own, or
+    "objective" for a lambda (``compute_objective=lambda m: m["eval_accuracy"]``, as Hugging Face's
+    docs write it), whose ``<lambda>`` would name nothing."""
+    name = getattr(objective, "__name__", "objective")
+    return "objective" if name.startswith("<") else name
+
+
 def describe_objective(objective: Any) -> str:
     if isinstance(objective, str):
         return objective
     if isinstance(objective, DefaultObjective):
         return ("the sum of compute_metrics' eval metrics (Hugging Face's default_compute_objective; "
                 "objective='eval_<metric>' picks one)")
-    return f"{getattr(objective, '__name__', 'objective')}(metrics)"
+    return f"{function_name(objective)}(metrics)"

@@ -16,6 +16,7 @@ from .arguments import TrainingArguments, apply_params, field_types
 from .backends import SearchSettings, get_backend
 from .callbacks import TrainerCallback, metric_value
 from .errors import UserError
+from .objective import function_name
 from .runner import TrialRunner
 from .space import Categorical, validate_space
 from .trial import Trial
@@ -67,7 +68,7 @@ class SweepJob:
 
     @property
     def objective_name(self) -> str:
-        return self.objective if isinstance(self.objective, str) else getattr(self.objective, "__name__", "objective")
+        return self.objective if isinstance(self.objective, str) else function_name(self.objective)
 
     def objective_value(self, metrics: Mapping[str, float]) -> float | list[float]:
         if isinstance(self.objective, str):

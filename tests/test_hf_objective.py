@@ -58,6 +58,20 @@ def test_with_compute_metrics_the_objective_is_the_sum_of_its_metrics(tmp_path: 
     assert best.objective == pytest.approx(metrics["eval_accuracy"] + metrics["eval_errors"])  # no eval_loss
 
 
+def test_a_lambda_objective_is_named_objective_where_the_sweep_shows_it(tmp_path: Path, capsys) -> None:
+    """compute_objective=lambda m: ..., as Hugging Face's docs write it: the sweep's line, the trial
+    records (the table, report and MLflow read them) and the best run name it "objective", not "<lambda>"."""
+    best = trainer(tmp_path, compute_metrics=two_metrics).hyperparameter_search(
+        space=SPACE, n_trials=2, direction="maximize", compute_objective=lambda m: m["eval_accuracy"])
+    printed = capsys.readouterr()
+    assert "hpsweep: optimising objective(metrics) (maximize)" in printed.out
+    assert "<lambda>" not in printed.out + printed.err
+    records = runs.read_trials(tmp_path)
+    assert len(records) == 2 and {r.objective_name for r in records} == {"objective"}
+    assert best.run_summary["objective_name"] == "objective"
+    assert best.objective == best.run_summary["metrics"]["eval_accuracy"]
+
+
 def test_maximising_the_eval_loss_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     for objective in (None, "eval_loss"):
         with pytest.raises(UserError, match="direction='maximize' with the objective eval_loss.*direction='minimize'"):
