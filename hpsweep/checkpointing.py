@@ -17,7 +17,34 @@ from .hf import save_processing_class
 
 
 class Checkpointing:
-    """`Trainer.save_checkpoint`, `Trainer.save_model` and the resume from a checkpoint."""
+    """`Trainer.save_checkpoint`, `Trainer.save_model`, the resume from a checkpoint, and the model
+    a trainer holds after a search."""
+
+    @property
+    def model(self) -> Any:
+        """The model. After `hyperparameter_search`, until another is set or trained, the best
+        trial's: ``model_init`` with its params and the weights of ``best/``, built when first asked
+        for (`evaluate`, `predict`, `save_model` or ``trainer.model``), so that a search whose
+        trainer is not used again (the command line's) does not pay for it."""
+        best = self.__dict__.get("_best_run")
+        if best is not None and self.__dict__.get("_model") is None:
+            from .trial import Trial
+
+            model = self.call_model_init(Trial(best.run_summary.get("number", 0), best.hyperparameters,
+                                               id=best.run_id))
+            runs.load_weights(model, _best_weights(best))
+            self._model, self._best_run = model, None
+        return self.__dict__.get("_model")
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self._model, self._best_run = value, None
+
+    def _hold_best_model(self, best: runs.BestRun) -> None:
+        """After a search: `model` is the best trial's from now on (when its weights are on disk)."""
+        if _best_weights(best) is not None:
+            self.model = self.model_wrapped = None
+            self._best_run = best
 
     def _checkpoint_dir(self) -> Path:
         return Path(self.args.output_dir) / f"{runs.CHECKPOINT_PREFIX}{self.state.global_step}"
@@ -73,3 +100,12 @@ class Checkpointing:
             setattr(self.state, name, getattr(saved, name))
         self._handler.load_state_dicts(saved.callbacks)
         return rng_state
+
+
+def _best_weights(best: runs.BestRun) -> Path | None:
+    """Where the best run's weights are: the sweep's ``best/``, else the checkpoint it came from."""
+    for folder in (Path(best.run_dir).parent / runs.BEST_DIR, Path(best.checkpoint) if best.checkpoint else None):
+        if folder is not None and any((folder / name).exists() for name in ("model.safetensors",
+                                                                              "model.safetensors.index.json")):
+            return folder
+    return None

@@ -228,6 +228,8 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         states = sorted({r.state for r in records})
         raise UserError(f"no trial completed ({len(records)} trials: {', '.join(states) or 'none ran'}); "
                         f"see the trial.json and error.log files in {output_dir}")
+    if isinstance(best, runs.BestRun):
+        trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
     return best
 
 

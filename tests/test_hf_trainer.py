@@ -274,6 +274,41 @@ def test_predict_returns_what_the_model_predicts_with_labels_and_test_metrics(tm
         assert Events.seen[-1] == ("evaluate", ["test_accuracy", "test_loss"])
 
 
+def test_after_a_search_the_trainer_holds_the_best_trials_model(tmp_path: Path) -> None:
+    """evaluate, predict, save_model and trainer.model after hyperparameter_search use the best
+    trial's model (model_init with its params, best/'s weights) on every backend, not a fresh
+    untrained one (the trials trained in copies of the trainer, or in other processes)."""
+    class Wide(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+
+        def forward(self, x, labels=None):
+            return nn.functional.cross_entropy(self.net(x), labels), self.net(x)
+
+    trainer = hpsweep.Trainer(model_init=lambda trial: Wide(trial["hidden"] if trial else 2),
+                              args=args(tmp_path / "out"), train_dataset=rows(96, 1), eval_dataset=rows(64, 2),
+                              compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(space={"hidden": hpsweep.Categorical([4, 24]),
+                                                "learning_rate": hpsweep.Float(1e-2, 1e-1, log=True)},
+                                         n_trials=3, direction="maximize", objective="eval_accuracy",
+                                         show_progress=False)
+    assert trainer.model.net[0].out_features == best.hyperparameters["hidden"]  # model_init with its params
+    from safetensors.torch import load_file
+
+    kept = load_file(str(tmp_path / "out" / "best" / "model.safetensors"))
+    assert all(torch.equal(kept[k], v) for k, v in trainer.model.state_dict().items())
+    assert trainer.evaluate()["eval_accuracy"] == best.objective  # what the sweep measured, measured again
+    assert trainer.predict(rows(64, 2)).metrics["test_accuracy"] == best.objective
+    trainer.save_model(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in kept)
+    # training again replaces it, as transformers' recipe does after a search
+    trainer.args.output_dir = str(tmp_path / "again")
+    trainer.train()
+    assert trainer.model.net[0].out_features == 2
+
+
 def test_predict_on_a_test_set_without_labels(tmp_path: Path) -> None:
     class Optional(Net):  # transformers' models: no labels, no loss
         def forward(self, x, labels=None):
