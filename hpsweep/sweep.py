@@ -3,6 +3,7 @@
 decide what to try."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -130,6 +131,20 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     from .modelinit import model_init_arity
     from .objective import resolve_objective
 
+    if backend == "ray" and options and importlib.util.find_spec("ray") is not None:
+        # transformers' Ray users pass tune.run's keywords (Ray's own Hugging Face example does)
+        from .backends._ray_search import tune_run_keywords
+
+        options, tune_settings, ignored = tune_run_keywords(options)
+        sampler = sampler if sampler is not None else tune_settings.get("sampler")
+        storage = storage if storage is not None else tune_settings.get("storage")
+        timeout = timeout if timeout is not None else tune_settings.get("timeout")
+        n_jobs = tune_settings.get("n_jobs", n_jobs) if n_jobs == 1 else n_jobs
+        max_failed_trials = tune_settings.get("max_failed_trials", max_failed_trials)
+        if ignored:
+            print(f"hpsweep: {', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself "
+                  "(each run's checkpoints by save_total_limit, its progress, the objective it was given); ignored",
+                  file=sys.stderr)
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)

@@ -445,3 +445,96 @@ def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Pa
             assert [r.get("GPU", 0) for r in reserved] == ([1.0, 1.0] if out == "default" else [0, 0]), reserved
             for p in tmp_path.glob("reserved-*.json"):
                 p.unlink()
+
+
+# Ray's own Hugging Face example (ray/tune/examples/pbt_transformers), as its users adapt it: the
+# keywords transformers passes on to tune.run, and a PopulationBasedTraining of their own on
+# eval_acc. Only the Trainer / TrainingArguments import differs.
+RAY_HF_EXAMPLE = '''
+import json, sys
+import numpy as np
+import torch
+from ray import tune
+from ray.tune import CLIReporter
+from ray.tune.schedulers import PopulationBasedTraining
+from hpsweep import Trainer, TrainingArguments  # was: from transformers import ...
+
+W = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+def rows(n, seed):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return [{"x": xi, "labels": int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+def compute_metrics(p):
+    return {"acc": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}
+
+training_args = TrainingArguments(output_dir=sys.argv[1], eval_strategy="epoch", save_strategy="epoch",
+                                  disable_tqdm=True, report_to="none")
+trainer = Trainer(model_init=lambda: Net(), args=training_args, train_dataset=rows(96, 1),
+                  eval_dataset=rows(48, 2), compute_metrics=compute_metrics)
+tune_config = {"per_device_train_batch_size": 16, "per_device_eval_batch_size": 32,
+               "num_train_epochs": tune.choice([2, 3]), "max_steps": -1}
+scheduler = PopulationBasedTraining(time_attr="training_iteration", metric="eval_acc", mode="max",
+                                    perturbation_interval=1,
+                                    hyperparam_mutations={"weight_decay": tune.uniform(0.0, 0.3),
+                                                          "learning_rate": tune.uniform(1e-2, 5e-2)})
+reporter = CLIReporter(parameter_columns={"weight_decay": "w_decay", "learning_rate": "lr"},
+                       metric_columns=["eval_acc", "eval_loss", "epoch", "training_iteration"])
+best = trainer.hyperparameter_search(
+    hp_space=lambda _: tune_config, backend="ray", n_trials=3, direction="maximize",
+    resources_per_trial={"cpu": 1, "gpu": 0}, scheduler=scheduler, keep_checkpoints_num=1,
+    checkpoint_score_attr="training_iteration", stop=None, progress_reporter=reporter,
+    local_dir=sys.argv[2], name="tune_transformer_pbt", log_to_file=True)
+print("BEST", json.dumps({"objective": best.objective, "hyperparameters": best.hyperparameters}))
+'''
+
+
+def test_rays_hugging_face_example_runs_with_its_tune_run_keywords_and_its_own_pbt(tmp_path: Path) -> None:
+    script = tmp_path / "pbt_transformers.py"
+    script.write_text(RAY_HF_EXAMPLE)
+    out, ray_results = tmp_path / "out", tmp_path / "ray_results"
+    proc = subprocess.run([sys.executable, str(script), str(out), str(ray_results)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The keywords that shape only Tune's own bookkeeping and output are named in one line.
+    assert ("hpsweep: keep_checkpoints_num, checkpoint_score_attr, progress_reporter, log_to_file: Tune's own"
+            in proc.stderr), proc.stderr[-3000:]
+
+    records = runs.read_trials(out)
+    assert len(records) == 3 and all(r.state == "complete" for r in records), [(r.state, r.error) for r in records]
+    for r in records:  # PBT's mutations reached each trial's arguments, as transformers passes them
+        args = runs.read_json(runs.latest_checkpoint(Path(r.run_dir)) / "training_args.json")
+        assert {"weight_decay", "learning_rate", "num_train_epochs"} <= set(r.params)
+        assert args["weight_decay"] == r.params["weight_decay"] and args["learning_rate"] == r.params["learning_rate"]
+    # local_dir (Ray 2.60's tune.run refuses it for storage_path) and name: where Tune keeps its own files
+    experiments = [p.name for p in ray_results.iterdir()]
+    assert experiments and all(name.startswith("tune_transformer_pbt-") for name in experiments), experiments
+    best = json.loads(proc.stdout.split("BEST ", 1)[1])
+    assert best["objective"] == max(r.objective for r in records)
+
+
+def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_path: Path) -> None:
+    import datetime
+
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from hpsweep import UserError
+    from hpsweep.backends._ray_search import tune_run_keywords
+
+    searcher = BasicVariantGenerator()
+    left, settings, ignored = tune_run_keywords({
+        "search_alg": searcher, "storage_path": "s3://bucket/x", "time_budget_s": datetime.timedelta(minutes=2),
+        "max_concurrent_trials": 2, "fail_fast": True, "verbose": 0, "metric": "eval_f1", "mode": "max",
+        "name": "exp", "reuse_actors": False, "stop": None})
+    assert settings == {"sampler": searcher, "storage": "s3://bucket/x", "timeout": 120.0, "n_jobs": 2,
+                        "max_failed_trials": 1}
+    assert left == {"name": "exp", "reuse_actors": False} and ignored == ["verbose", "metric", "mode"]
+    with pytest.raises(UserError, match="set max_steps"):
+        tune_run_keywords({"stop": {"training_iteration": 1}})

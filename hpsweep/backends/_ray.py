@@ -62,7 +62,8 @@ from ..space import Float, Int
 from ._base import Backend, SearchSettings
 from ._ray_cluster import (collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value,
                            shipped_record, stop_file)
-from ._ray_search import VariantGenerator, mode, native_space, scheduler, search_algorithm, tune_space
+from ._ray_search import (VariantGenerator, fresh_copy, is_tune_object, mode, native_space, own_metric, scheduler,
+                          scheduler_kind, search_algorithm, tune_space, worst_of)
 from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, trainable
 
 EXPERIMENT_DIR = ".ray"
@@ -85,7 +86,9 @@ class RayBackend(Backend):
     Options (``hyperparameter_search(backend="ray", ...)``): ``max_failures`` (Tune's retries of a
     trial whose worker died, default 1), ``reuse_actors`` (default True), ``max_t`` (evaluations per
     trial for ASHA/HyperBand), ``reduction_factor``, ``perturbation_interval`` (PBT, in
-    evaluations), ``storage`` (Ray's storage path or URI).
+    evaluations), ``storage`` (Ray's storage path or URI), ``name`` (the Tune experiments' name).
+    ``scheduler=`` / ``sampler=`` (``search_alg=``) take Tune's own objects too, and transformers'
+    other ``tune.run`` keywords are read by `._ray_search.tune_run_keywords`.
     """
 
     name = "ray"
@@ -93,13 +96,22 @@ class RayBackend(Backend):
     pruners = ()
     schedulers = ("fifo", "asha", "hyperband", "pbt")
     reads = frozenset({"storage", "address", "resources_per_trial"})
-    option_names = ("max_failures", "reuse_actors", "max_t", "reduction_factor", "perturbation_interval", "storage")
+    _takes_object = staticmethod(is_tune_object)  # Tune's own scheduler and search algorithm objects
+    option_names = ("max_failures", "reuse_actors", "max_t", "reduction_factor", "perturbation_interval", "storage",
+                    "name")
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
         self.native = native_space(settings.hp_space)  # Ray Tune domains from hp_space(None), if so
-        self.scheduler_name = settings.scheduler or "fifo"
-        self.sampler_name = settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
+        # Tune's own scheduler and search algorithm objects, as given (a copy per round)
+        self.scheduler_object, self.sampler_object = (None if isinstance(v, (str, type(None))) else v
+                                                       for v in (settings.scheduler, settings.sampler))
+        self.scheduler_name = scheduler_kind(self.scheduler_object) if self.scheduler_object else \
+            settings.scheduler or "fifo"
+        self.sampler_name = type(self.sampler_object).__name__ if self.sampler_object else \
+            settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
+        # One made with its own metric (PBT(metric="eval_acc", ...)) ranks trials by it, not the objective
+        self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
         if self.scheduler_name == "pbt" and self.sampler_name != "random":
             raise UserError("--scheduler pbt chooses params itself and takes no search algorithm; "
                             "use --sampler random (or drop --sampler)")
@@ -163,7 +175,7 @@ class RayBackend(Backend):
             deadline = loop.deadline_wall
             plan = RoundPlan(marker=marker, n_trials=self.settings.n_trials, started=loop.started,
                              max_failed_trials=self.settings.max_failed_trials, deadline=deadline,
-                             budget=self._evaluation_budget(runner))
+                             budget=self._evaluation_budget(runner), worst_extra=worst_of(self.own_metric))
             while deadline is None or time.time() < deadline:
                 if not self._next_round(loop, runner, plan, signals):
                     return
@@ -214,11 +226,15 @@ class RayBackend(Backend):
         else:
             param_space, samples = self.param_space, new
             define_by_run = s.hp_space is not None and self.native is None
-            search_alg = search_algorithm(s, self.sampler_name, param_space, define_by_run, records, plan.deadline)
-            trial_scheduler = scheduler(s, self.scheduler_name, param_space, plan.budget)
+            search_alg = fresh_copy(self.sampler_object) if self.sampler_object else search_algorithm(
+                s, self.sampler_name, param_space, define_by_run, records, plan.deadline,
+                explicit_metric=self.own_metric is not None)
+            trial_scheduler = fresh_copy(self.scheduler_object) if self.scheduler_object else \
+                scheduler(s, self.scheduler_name, param_space, plan.budget)
             namer = _TrialNamer(first, offset=1 if self.sampler_name == "tpe" else 0)
+        run_metric = single and self.own_metric is None  # a user's object with its own takes none
         tune_config = tune.TuneConfig(
-            metric=METRIC if single else None, mode=mode(s.directions[0]) if single else None,
+            metric=METRIC if run_metric else None, mode=mode(s.directions[0]) if run_metric else None,
             search_alg=search_alg, scheduler=trial_scheduler, num_samples=samples, max_concurrent_trials=s.n_jobs,
             reuse_actors=self.reuse_actors, trial_name_creator=namer, trial_dirname_creator=namer)
         stopper = _StopOnUserError(signals.stop_file)
@@ -227,7 +243,8 @@ class RayBackend(Backend):
         # more and Tune deleted the one chosen (a trial failed so in CI; Ray warns of num_to_keep <= 2).
         keep = None if self.scheduler_name == "pbt" else 2
         run_config = tune.RunConfig(
-            name=f"{s.study_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
+            name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
+                 f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path, verbose=0, stop=stopper,
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
             checkpoint_config=tune.CheckpointConfig(num_to_keep=keep), progress_reporter=None, log_to_file=False)
@@ -431,5 +448,3 @@ def _lease_number(lease: Any) -> int:
     ref = lease.info.get("ref")
     number = ref.get("number") if isinstance(ref, dict) else None
     return number if isinstance(number, int) else -1
-
-

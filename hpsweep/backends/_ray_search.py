@@ -9,6 +9,8 @@ results of the trials that earlier rounds (or commands) completed.
 """
 from __future__ import annotations
 
+import copy
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +75,11 @@ def _is_domain(value: Any) -> bool:
 # --- search algorithms and schedulers ---------------------------------------------------------
 
 def search_algorithm(settings: SearchSettings, sampler: str, param_space: dict[str, Any], define_by_run: bool,
-                     records: list[runs.TrialRecord], deadline: float | None) -> Any:
+                     records: list[runs.TrialRecord], deadline: float | None, *, explicit_metric: bool = False) -> Any:
     """Tune's search algorithm for one round of new trials: random, or Optuna's TPE warm-started
-    from the complete ``records`` (seeded past them, so a later round draws other params)."""
+    from the complete ``records`` (seeded past them, so a later round draws other params).
+    ``explicit_metric``: the round's config names no metric (a user's scheduler has its own), so
+    TPE is told hpsweep's objective itself."""
     s = settings
     seed = None if s.seed is None else s.seed + len(records)
     if sampler == "random":
@@ -97,8 +101,10 @@ def search_algorithm(settings: SearchSettings, sampler: str, param_space: dict[s
         space = sample
     elif not s.multi_objective:  # Optuna takes no earlier results for a define-by-run space
         points, rewards = _warm_start(param_space, records)
-    metrics = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
-    modes = None if not s.multi_objective else [mode(d) for d in s.directions]
+    metrics: Any = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
+    modes: Any = None if not s.multi_objective else [mode(d) for d in s.directions]
+    if explicit_metric and not s.multi_objective:
+        metrics, modes = METRIC, mode(s.directions[0])
     return _OptunaSearch(deadline, space=space, metric=metrics, mode=modes,
                          sampler=optuna.samplers.TPESampler(seed=seed), points_to_evaluate=points,
                          evaluated_rewards=rewards)
@@ -199,3 +205,86 @@ def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) ->
 
 def mode(direction: str) -> str:
     return "max" if direction == "maximize" else "min"
+
+
+# --- transformers' keywords and Tune's own objects ------------------------------------------------
+
+#: ``tune.run`` keywords that shape only Tune's own bookkeeping and output, which hpsweep keeps
+#: itself: each run's checkpoints (``save_total_limit``), its progress display and trial folders,
+#: its failure records, and the objective it optimises (``compute_objective`` / ``direction``).
+TUNE_BOOKKEEPING = ("keep_checkpoints_num", "checkpoint_score_attr", "checkpoint_freq", "checkpoint_at_end",
+                    "checkpoint_config", "progress_reporter", "log_to_file", "verbose", "trial_name_creator",
+                    "trial_dirname_creator", "raise_on_failed_trial", "metric", "mode")
+
+
+def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Hugging Face's Ray backend passes its keyword arguments on to ``tune.run``, and its users
+    write them (Ray's own Hugging Face example: ``keep_checkpoints_num``, ``checkpoint_score_attr``,
+    ``stop``, ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options
+    left for the backend, the hpsweep settings the others stand for (``search_alg``: sampler,
+    ``local_dir`` / ``storage_path``: storage, ``time_budget_s``: timeout,
+    ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed trial ends the sweep) and the
+    names of the `TUNE_BOOKKEEPING` ones given, which change nothing here."""
+    import datetime
+
+    left, settings = dict(options), {}
+    for tune_name, ours in (("search_alg", "sampler"), ("local_dir", "storage"), ("storage_path", "storage"),
+                            ("time_budget_s", "timeout"), ("max_concurrent_trials", "n_jobs")):
+        if left.get(tune_name) is not None:
+            settings[ours] = left.pop(tune_name)
+        left.pop(tune_name, None)
+    if isinstance(settings.get("timeout"), datetime.timedelta):
+        settings["timeout"] = settings["timeout"].total_seconds()
+    if left.pop("fail_fast", False):
+        settings["max_failed_trials"] = 1
+    stop = left.pop("stop", None)
+    if stop:
+        raise UserError(f"stop={stop!r}: hpsweep ends a trial where its TrainingArguments say (num_train_epochs, "
+                        "max_steps) and stops bad ones with --scheduler; set max_steps in the space or args instead")
+    ignored = [name for name in TUNE_BOOKKEEPING if name in left]
+    for name in ignored:
+        del left[name]
+    return left, settings, ignored
+
+
+def own_metric(obj: Any) -> tuple[str, str] | None:
+    """The metric and mode a user's scheduler or search algorithm was made with (Ray's Hugging Face
+    example: ``PopulationBasedTraining(metric="eval_acc", mode="max")``), or None: it takes the
+    run's, hpsweep's objective."""
+    metric = getattr(obj, "metric", None)
+    mode_ = getattr(obj, "mode", None) or getattr(obj, "_mode", None)  # schedulers keep it unexposed
+    return (metric, mode_ or "max") if isinstance(metric, str) and metric else None
+
+
+def is_tune_object(what: str, value: Any) -> bool:
+    """Whether ``value`` is Tune's own scheduler (``what="scheduler"``) or search algorithm."""
+    from ray.tune.schedulers import TrialScheduler
+    from ray.tune.search import SearchAlgorithm
+
+    kinds: dict[str, Any] = {"scheduler": TrialScheduler, "sampler": (Searcher, SearchAlgorithm)}
+    return what in kinds and isinstance(value, kinds[what])
+
+
+def scheduler_kind(scheduler_object: Any) -> str:
+    """A user's scheduler by what it does: "pbt" for population-based training (it clones trials
+    from others' checkpoints), else its class name."""
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    return "pbt" if isinstance(scheduler_object, PopulationBasedTraining) else type(scheduler_object).__name__
+
+
+def fresh_copy(obj: Any) -> Any:
+    """A round's copy of a user's scheduler or search algorithm: Tune's keep per-trial state."""
+    copied = copy.deepcopy(obj)
+    if hasattr(copied, "_require_attrs"):
+        # PBT: a trial the ledger had no place for ends without any result, as under --scheduler pbt
+        copied._require_attrs = False
+    return copied
+
+
+def worst_of(metric: tuple[str, str] | None) -> dict[str, float]:
+    """What a trial without a result reports for a user's object's own metric (PBT raises on a
+    result without it; every scheduler ranks it last)."""
+    if metric is None:
+        return {}
+    return {metric[0]: -math.inf if metric[1] == "max" else math.inf}

@@ -66,6 +66,9 @@ class RoundPlan:
     budget: int | None  # evaluations of a full trial, when known (a scheduler's stop then is no prune)
     #: In a round of re-runs: the records of the trials to run again, by id (for nodes without the folder).
     again: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: What a trial without a result reports besides the objective: the worst value of the metric a
+    #: user's scheduler or search algorithm was made with (PBT raises on a result without it).
+    worst_extra: dict[str, float] = field(default_factory=dict)
 
 
 class RayTrial(Trial):
@@ -256,7 +259,7 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
         runner, lease = local.runner, None
         trial = _unleased(local, ctx.get_trial_id(), hint, params, plan.again.get(again_id), plan)
     trial.user_attrs["ray_trial_id"] = ctx.get_trial_id()  # which Tune trial ran it last, for the driver
-    _train(runner, trial, lease, local)
+    _train(runner, trial, lease, local, plan.worst_extra)
 
 
 def _claim(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], again_id: str | None,
@@ -339,7 +342,8 @@ def _unleased(local: NodeLocalRuns, tune_id: str, hint: int, params: dict[str, A
     return trial
 
 
-def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRuns | None) -> None:
+def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRuns | None,
+           worst_extra: dict[str, float]) -> None:
     again: runs.TrialRecord | None = trial.user_attrs.get("again")
     # A trial run again continues from its own latest checkpoint; otherwise Tune's (a resume, PBT).
     checkpoint = tune.get_checkpoint() if again is None else None
@@ -377,9 +381,9 @@ def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRu
         # the actor's next trial would fail ("Could not re-use actor"). Leave as Tune's stop expects.
         raise SystemExit(0)
     if user_error is not None:
-        tune.report({USER_ERROR_KEY: user_error, **worst(runner.job.directions)})
+        tune.report({USER_ERROR_KEY: user_error, **worst(runner.job.directions), **worst_extra})
     elif failed:
-        tune.report({FAILED_KEY: 1.0, **worst(runner.job.directions)})
+        tune.report({FAILED_KEY: 1.0, **worst(runner.job.directions), **worst_extra})
 
 
 def _number(trial_name: str) -> int:
