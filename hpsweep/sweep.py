@@ -145,6 +145,14 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
             print(f"hpsweep: {', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself "
                   "(each run's checkpoints by save_total_limit, its progress, the objective it was given); ignored",
                   file=sys.stderr)
+    if backend == "wandb" and ("project" in options or "metric" in options):
+        # transformers' W&B users name the project (the sweep's project here is the study's name), and
+        # the metric W&B reads, which hpsweep reports as the objective it optimises
+        project, metric = options.pop("project", None), options.pop("metric", None)
+        study_name = str(project) if project and study_name == "hpsweep" else study_name
+        if metric is not None:
+            print(f"hpsweep: metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored",
+                  file=sys.stderr)
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)

@@ -72,6 +72,25 @@ def test_a_lambda_objective_is_named_objective_where_the_sweep_shows_it(tmp_path
     assert best.objective == best.run_summary["metrics"]["eval_accuracy"]
 
 
+def test_transformers_optuna_keywords_are_taken_as_create_study_and_optimize_take_them(tmp_path: Path) -> None:
+    """transformers hands its Optuna users' keywords to create_study (storage, study_name, sampler,
+    pruner, load_if_exists) and optimize (timeout, n_jobs, gc_after_trial)."""
+    import optuna
+
+    def hp_space(trial):
+        return {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)}
+
+    storage = f"sqlite:///{tmp_path / 'hf.db'}"
+    for n in (2, 3):  # the second call continues the study, as load_if_exists=True asks
+        trainer(tmp_path / "out").hyperparameter_search(
+            hp_space=hp_space, n_trials=n, backend="optuna", storage=storage, study_name="hf", load_if_exists=True,
+            sampler=optuna.samplers.TPESampler(seed=3), pruner=optuna.pruners.NopPruner(), timeout=600, n_jobs=1,
+            gc_after_trial=True, show_progress=False)
+        study = optuna.load_study(study_name="hf", storage=storage)
+        assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * n
+    assert len(runs.read_trials(tmp_path / "out")) == 3
+
+
 def test_maximising_the_eval_loss_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     for objective in (None, "eval_loss"):
         with pytest.raises(UserError, match="direction='maximize' with the objective eval_loss.*direction='minimize'"):

@@ -203,3 +203,49 @@ def test_wandb_trials_are_placed_on_gpus_as_optuna_trials_are(tmp_path: Path, of
         assert proc.returncode == 0, proc.stderr
         [record] = runs.read_trials(tmp_path / out)
         assert record.state == "complete" and record.user_attrs["devices"] == seen
+
+
+HF_WANDB_SCRIPT = '''
+import sys
+import torch
+from hpsweep import Trainer, TrainingArguments  # was: from transformers import ...
+
+W = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+def rows(n, seed):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return [{"x": xi, "labels": int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 3)
+    def forward(self, x, labels=None):
+        return torch.nn.functional.cross_entropy(self.net(x), labels), self.net(x)
+
+def wandb_hp_space(trial):
+    return {"method": "random", "metric": {"name": "objective", "goal": "minimize"},
+            "parameters": {"learning_rate": {"distribution": "uniform", "min": 1e-3, "max": 1e-1}}}
+
+trainer = Trainer(model_init=lambda: Net(), args=TrainingArguments(sys.argv[1], eval_strategy="epoch",
+                  num_train_epochs=1, report_to="none"), train_dataset=rows(64, 1), eval_dataset=rows(32, 2))
+best = trainer.hyperparameter_search(direction="minimize", backend="wandb", hp_space=wandb_hp_space, n_trials=2,
+                                     project="hf-project", name="my-sweep", metric="eval/loss")
+print("BEST", best.objective)
+'''
+
+
+def test_transformers_wandb_keywords_name_the_project_and_the_sweep(tmp_path: Path, offline: dict) -> None:
+    """transformers' W&B backend takes project=, name= (the sweep's) and metric= (what W&B reads)."""
+    script = tmp_path / "hf_wandb.py"
+    script.write_text(HF_WANDB_SCRIPT)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **offline})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hpsweep: metric='eval/loss': the sweep reports the objective it optimises to W&B; ignored" in proc.stderr
+    assert [r.state for r in runs.read_trials(out)] == ["complete", "complete"]
+    assert json.loads((out / "wandb_sweep.json").read_text())["config"]["name"] == "my-sweep"
+    assert (out / ".study").read_text().strip() == "hf-project"  # W&B's project is the sweep's study name
+    offline_runs = _offline_runs(out)
+    assert len(offline_runs) == 2 and all(b"hf-project" in next(d.glob("run-*.wandb")).read_bytes()
+                                          for d in offline_runs)

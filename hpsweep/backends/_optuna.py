@@ -77,12 +77,17 @@ def suggest(trial: OptunaTrial, name: str, dist: Distribution) -> Any:
 
 class OptunaBackend(Backend):
     """Search with Optuna. Samplers: tpe (default), random, cmaes, gp, grid, nsga2; pruners:
-    median (default), hyperband, sha, none. Pruners see every evaluation's objective."""
+    median (default), hyperband, sha, none. Pruners see every evaluation's objective.
+
+    Options: the two transformers' Optuna users pass on to ``create_study`` / ``optimize``, which
+    hpsweep always does: ``load_if_exists`` (the same command continues its study) and
+    ``gc_after_trial`` (each trial's memory is released after it, DESIGN 6)."""
 
     name = "optuna"
     samplers = ("tpe", "random", "cmaes", "gp", "grid", "nsga2")
     pruners = ("median", "hyperband", "sha", "none")
     reads = frozenset({"storage", "resources_per_trial"})
+    option_names = ("load_if_exists", "gc_after_trial")
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)

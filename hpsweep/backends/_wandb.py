@@ -42,7 +42,7 @@ from ..trial import Trial
 from ._base import Backend, SearchSettings, TrialFailed
 
 SWEEP_FILE = "wandb_sweep.json"
-OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity", "sweep_id")
+OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity", "sweep_id", "name")  # name: the sweep's, as transformers'
 #: trial.json state -> the W&B run state the sweeps engine reasons about. W&B's controller marks
 #: early-terminated runs ``stopped`` and keeps their history, so bayes learns from pruned runs too.
 RUN_STATES = {"complete": "finished", "pruned": "finished", "failed": "failed", "running": "crashed",
@@ -196,6 +196,8 @@ class WandbBackend(Backend):
         if settings.multi_objective:
             raise UserError("W&B sweeps optimise one metric; give one direction, or use --backend optuna")
         self.config = sweep_config(settings)  # grid on a Float without step raises its UserError here
+        if settings.options.get("name"):
+            self.config["name"] = str(settings.options["name"])
         self.metric = settings.objective_name
         self.online = _logged_in() and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun")
         self._histories: dict[str, list[dict[str, float]]] = {}  # objective per evaluation, for callable objectives
