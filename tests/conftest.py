@@ -97,6 +97,29 @@ def write_space(folder: Path, *, name: str = "space.py", space: str = DEFAULT_SP
     return path
 
 
+#: The start of a user's whole script, written as transformers' examples are, for the tests that run
+#: one as it is (tiny data, a model returning (loss, logits)); only the Trainer import is hpsweep's.
+USER_SCRIPT_PRELUDE = '''
+import json, sys
+import numpy as np
+import torch
+from hpsweep import Trainer, TrainingArguments  # was: from transformers import Trainer, TrainingArguments
+
+W = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+def rows(n, seed):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    return [{"x": xi, "labels": int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+'''
+
+
 def hpsweep_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300,
                 check: bool = False) -> subprocess.CompletedProcess:
     """Run ``hpsweep ARGS`` in a fresh process, as a user would."""

@@ -18,7 +18,7 @@ import pytest
 
 from hpsweep import runs
 
-from conftest import free_port, hpsweep_cli, write_space
+from conftest import USER_SCRIPT_PRELUDE, free_port, hpsweep_cli, write_space
 from ray_nodes import Cluster, ray_nodes
 from sweep_invariants import violations
 from test_data_parallel import RANK_LOG, rank_steps
@@ -450,27 +450,10 @@ def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Pa
 # Ray's own Hugging Face example (ray/tune/examples/pbt_transformers), as its users adapt it: the
 # keywords transformers passes on to tune.run, and a PopulationBasedTraining of their own on
 # eval_acc. Only the Trainer / TrainingArguments import differs.
-RAY_HF_EXAMPLE = '''
-import json, sys
-import numpy as np
-import torch
+RAY_HF_EXAMPLE = USER_SCRIPT_PRELUDE + '''
 from ray import tune
 from ray.tune import CLIReporter
 from ray.tune.schedulers import PopulationBasedTraining
-from hpsweep import Trainer, TrainingArguments  # was: from transformers import ...
-
-W = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
-def rows(n, seed):
-    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
-    return [{"x": xi, "labels": int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    def forward(self, x, labels=None):
-        logits = self.net(x)
-        return torch.nn.functional.cross_entropy(logits, labels), logits
 
 def compute_metrics(p):
     return {"acc": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}

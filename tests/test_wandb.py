@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpsweep_cli, write_space
+from conftest import USER_SCRIPT_PRELUDE, hpsweep_cli, write_space
 from sweep_invariants import SLOW_TRIALS
 
 from hpsweep import runs
@@ -205,23 +205,7 @@ def test_wandb_trials_are_placed_on_gpus_as_optuna_trials_are(tmp_path: Path, of
         assert record.state == "complete" and record.user_attrs["devices"] == seen
 
 
-HF_WANDB_SCRIPT = '''
-import sys
-import torch
-from hpsweep import Trainer, TrainingArguments  # was: from transformers import ...
-
-W = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
-def rows(n, seed):
-    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
-    return [{"x": xi, "labels": int(yi)} for xi, yi in zip(x, (x @ W).argmax(-1))]
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(8, 3)
-    def forward(self, x, labels=None):
-        return torch.nn.functional.cross_entropy(self.net(x), labels), self.net(x)
-
+HF_WANDB_SCRIPT = USER_SCRIPT_PRELUDE + '''
 def wandb_hp_space(trial):
     return {"method": "random", "metric": {"name": "objective", "goal": "minimize"},
             "parameters": {"learning_rate": {"distribution": "uniform", "min": 1e-3, "max": 1e-1}}}
