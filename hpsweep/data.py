@@ -241,8 +241,13 @@ def train_sampler(dataset: Any, args: Any, seed: int, processing_class: Any) -> 
     return sampler
 
 
-def check_not_empty(dataset: Any, name: str) -> None:
-    """An empty dataset fails every trial the same way: say so, instead of torch's sampler error."""
+def check_trainable(dataset: Any, name: str) -> None:
+    """An empty dataset fails every trial the same way: say so, instead of torch's sampler error.
+    So does a stream (a torch or ``datasets`` IterableDataset): an epoch, the shuffled order and a
+    resume mid-epoch are defined over a dataset with a length."""
     resolved = resolve_dataset(dataset)
+    if isinstance(resolved, torch.utils.data.IterableDataset):
+        raise UserError(f"{name} is an IterableDataset (a stream, without a length), which hpsweep does not train on; "
+                        "load it without streaming=True (or with Dataset.from_generator), or give a Dataset with __len__")
     if hasattr(resolved, "__len__") and len(resolved) == 0:
         raise UserError(f"{name} is empty (0 samples); give it data")

@@ -25,7 +25,7 @@ from .arguments import TrainingArguments
 from .callbacks import (CallbackHandler, EvalPrediction, ProgressCallback, TrainerCallback, TrainerControl,
                         TrainerState, flow_on_epoch, flow_on_step)
 from .accel import bare_model, is_prepared_loader, make_accelerator
-from .data import (Collator, batched, check_not_empty, default_data_collator, is_hf_dataset, remove_unused_columns,
+from .data import (Collator, batched, check_trainable, default_data_collator, is_hf_dataset, remove_unused_columns,
                    resolve_dataset, signature_columns, split_labels, train_sampler)
 from .errors import UserError
 from .checkpointing import Checkpointing
@@ -166,7 +166,7 @@ class Trainer(Checkpointing, Evaluation):
         any ``DataLoader``, prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
         if self.train_dataset is None:
             raise UserError("no train_dataset; give the Trainer a train_dataset")
-        check_not_empty(self.train_dataset, "train_dataset")
+        check_trainable(self.train_dataset, "train_dataset")
         return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, train=True)
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:

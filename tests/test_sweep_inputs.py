@@ -30,6 +30,7 @@ def assert_one_line(proc, *needles: str) -> str:
     ("keyboard-interrupt-in-space-file", ["raised KeyboardInterrupt"]),
     ("compute-metrics-returns-a-list", ["compute_metrics returned list", "return a dict"]),
     ("empty-train-dataset", ["train_dataset is empty"]),
+    ("streamed-train-dataset", ["train_dataset is an IterableDataset", "without streaming=True"]),
     ("max-failed-trials-zero", ["--max-failed-trials 0"]),
     ("address-on-optuna", ["--address", "does not use it", "--backend ray"]),
     ("unknown-option", ["unknown optuna option(s) colour"]),
@@ -57,6 +58,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, case: str, nee
         extra = "def compute_metrics(p):\n    return [0.5]\nobjective = 'eval_loss'\ndirection = 'minimize'\n"
     elif case == "empty-train-dataset":
         extra = "def train_dataset():\n    return _data(0, 1)\n"
+    elif case == "streamed-train-dataset":  # as datasets' load_dataset(..., streaming=True) gives it
+        extra = ("class Stream(torch.utils.data.IterableDataset):\n"
+                 "    def __iter__(self):\n        yield from _data(32, 1)\n\n"
+                 "def train_dataset():\n    return Stream()\n")
     elif case == "max-failed-trials-zero":
         argv = ["--max-failed-trials", "0"]
     elif case == "address-on-optuna":
