@@ -3,7 +3,6 @@
 decide what to try."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 
 from . import devices, runs
 from .arguments import TrainingArguments, apply_params, field_types
-from .backends import SearchSettings, get_backend
+from .backends import SearchSettings, get_backend, transformers_keywords
 from .callbacks import TrainerCallback, metric_value
 from .errors import UserError
 from .objective import function_name
@@ -131,28 +130,15 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     from .modelinit import model_init_arity
     from .objective import resolve_objective
 
-    if backend == "ray" and options and importlib.util.find_spec("ray") is not None:
-        # transformers' Ray users pass tune.run's keywords (Ray's own Hugging Face example does)
-        from .backends._ray_search import tune_run_keywords
-
-        options, tune_settings, ignored = tune_run_keywords(options)
-        sampler = sampler if sampler is not None else tune_settings.get("sampler")
-        storage = storage if storage is not None else tune_settings.get("storage")
-        timeout = timeout if timeout is not None else tune_settings.get("timeout")
-        n_jobs = tune_settings.get("n_jobs", n_jobs) if n_jobs == 1 else n_jobs
-        max_failed_trials = tune_settings.get("max_failed_trials", max_failed_trials)
-        if ignored:
-            print(f"hpsweep: {', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself "
-                  "(each run's checkpoints by save_total_limit, its progress, the objective it was given); ignored",
-                  file=sys.stderr)
-    if backend == "wandb" and ("project" in options or "metric" in options):
-        # transformers' W&B users name the project (the sweep's project here is the study's name), and
-        # the metric W&B reads, which hpsweep reports as the objective it optimises
-        project, metric = options.pop("project", None), options.pop("metric", None)
-        study_name = str(project) if project and study_name == "hpsweep" else study_name
-        if metric is not None:
-            print(f"hpsweep: metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored",
-                  file=sys.stderr)
+    if options:  # what transformers hands the backend's library (tune.run's keywords, W&B's project)
+        options, theirs, note = transformers_keywords(backend, options)
+        sampler, storage, timeout = (mine if mine is not None else theirs.get(name) for name, mine in
+                                     (("sampler", sampler), ("storage", storage), ("timeout", timeout)))
+        n_jobs = theirs.get("n_jobs", n_jobs) if n_jobs == 1 else n_jobs
+        max_failed_trials = theirs.get("max_failed_trials", max_failed_trials)
+        study_name = theirs.get("study_name", study_name) if study_name == "hpsweep" else study_name
+        if note:
+            print(f"hpsweep: {note}", file=sys.stderr)
     directions = normalise_directions(direction)
     check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
                  processes_per_trial=processes_per_trial)

@@ -512,12 +512,12 @@ def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_pa
     from hpsweep.backends._ray_search import tune_run_keywords
 
     searcher = BasicVariantGenerator()
-    left, settings, ignored = tune_run_keywords({
+    left, settings, note = tune_run_keywords({
         "search_alg": searcher, "storage_path": "s3://bucket/x", "time_budget_s": datetime.timedelta(minutes=2),
         "max_concurrent_trials": 2, "fail_fast": True, "verbose": 0, "metric": "eval_f1", "mode": "max",
         "name": "exp", "reuse_actors": False, "stop": None})
     assert settings == {"sampler": searcher, "storage": "s3://bucket/x", "timeout": 120.0, "n_jobs": 2,
                         "max_failed_trials": 1}
-    assert left == {"name": "exp", "reuse_actors": False} and ignored == ["verbose", "metric", "mode"]
+    assert left == {"name": "exp", "reuse_actors": False} and note.startswith("verbose, metric, mode: Tune's own")
     with pytest.raises(UserError, match="set max_steps"):
         tune_run_keywords({"stop": {"training_iteration": 1}})

@@ -114,6 +114,14 @@ class Backend:
         if value not in allowed:
             raise UserError(f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend")
 
+    @staticmethod
+    def transformers_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+        """The keywords transformers hands this backend's library, which its users pass to
+        ``hyperparameter_search``, as hpsweep's: the options left, the search settings they stand
+        for (``sampler``, ``storage``, ``timeout``, ``n_jobs``, ``max_failed_trials``,
+        ``study_name``) and a note on those ignored. Read before the settings are made."""
+        return options, {}, None
+
     def _takes_object(self, what: str, value: Any) -> bool:
         """Whether ``value`` is a ready-made sampler / pruner / scheduler object the backend uses as
         it is (Hugging Face users pass ``sampler=optuna.samplers.TPESampler(...)``)."""

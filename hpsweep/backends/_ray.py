@@ -63,7 +63,7 @@ from ._base import Backend, SearchSettings
 from ._ray_cluster import (collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value,
                            shipped_record, stop_file)
 from ._ray_search import (VariantGenerator, fresh_copy, is_tune_object, mode, native_space, own_metric, scheduler,
-                          scheduler_kind, search_algorithm, tune_space, worst_of)
+                          scheduler_kind, search_algorithm, tune_run_keywords, tune_space, worst_of)
 from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, trainable
 
 EXPERIMENT_DIR = ".ray"
@@ -96,7 +96,7 @@ class RayBackend(Backend):
     pruners = ()
     schedulers = ("fifo", "asha", "hyperband", "pbt")
     reads = frozenset({"storage", "address", "resources_per_trial"})
-    _takes_object = staticmethod(is_tune_object)  # Tune's own scheduler and search algorithm objects
+    _takes_object, transformers_keywords = staticmethod(is_tune_object), staticmethod(tune_run_keywords)
     option_names = ("max_failures", "reuse_actors", "max_t", "reduction_factor", "perturbation_interval", "storage",
                     "name")
 

@@ -217,14 +217,14 @@ TUNE_BOOKKEEPING = ("keep_checkpoints_num", "checkpoint_score_attr", "checkpoint
                     "trial_dirname_creator", "raise_on_failed_trial", "metric", "mode")
 
 
-def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """Hugging Face's Ray backend passes its keyword arguments on to ``tune.run``, and its users
     write them (Ray's own Hugging Face example: ``keep_checkpoints_num``, ``checkpoint_score_attr``,
     ``stop``, ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options
     left for the backend, the hpsweep settings the others stand for (``search_alg``: sampler,
     ``local_dir`` / ``storage_path``: storage, ``time_budget_s``: timeout,
-    ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed trial ends the sweep) and the
-    names of the `TUNE_BOOKKEEPING` ones given, which change nothing here."""
+    ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed trial ends the sweep) and a note
+    naming the `TUNE_BOOKKEEPING` ones given, which change nothing here."""
     import datetime
 
     left, settings = dict(options), {}
@@ -244,7 +244,9 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     ignored = [name for name in TUNE_BOOKKEEPING if name in left]
     for name in ignored:
         del left[name]
-    return left, settings, ignored
+    note = (f"{', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself (each run's "
+            "checkpoints by save_total_limit, its progress, the objective it was given); ignored") if ignored else None
+    return left, settings, note
 
 
 def own_metric(obj: Any) -> tuple[str, str] | None:

@@ -179,6 +179,16 @@ class WandbBackend(Backend):
     pruners = ("hyperband", "none")
     reads = frozenset({"resources_per_trial"})
     option_names = OPTIONS
+
+    @staticmethod
+    def transformers_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+        """transformers' W&B users name the project (here: the study's name, which is the sweep's
+        W&B project) and the metric W&B reads (hpsweep reports the objective it optimises)."""
+        left = dict(options)
+        project, metric = left.pop("project", None), left.pop("metric", None)
+        note = f"metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored" \
+            if metric is not None else None
+        return left, {"study_name": str(project)} if project else {}, note
     parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     def __init__(self, settings: SearchSettings) -> None:
