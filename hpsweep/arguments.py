@@ -197,8 +197,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             setattr(self, alias, getattr(self, canonical))
         if isinstance(self.label_names, str):
             self.label_names = [self.label_names]
-        if isinstance(self.report_to, (list, tuple)):
-            self.report_to = [str(r) for r in self.report_to]
+        self.report_to = list(map(str, self.report_to)) if isinstance(self.report_to, (list, tuple)) else self.report_to
         self.include_for_metrics = list(self.include_for_metrics)
         if self.include_inputs_for_metrics and "inputs" not in self.include_for_metrics:
             self.include_for_metrics.append("inputs")
@@ -237,9 +236,10 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             _choice("include_for_metrics", name, METRIC_INCLUDES)
         if not (self.report_to is None or isinstance(self.report_to, (str, list))):
             raise UserError(f"report_to={self.report_to!r}: give 'none', 'all' or a list of integration names")
-        if self.report_to not in (None, "none", "all", ["none"], []):
-            warnings.warn(f"report_to={self.report_to!r} starts no integration in hpsweep; "
-                          "track runs with --mlflow (hpsweep.MLflowTracker)", stacklevel=3)
+        named = {self.report_to} if isinstance(self.report_to, str) else set(self.report_to or [])
+        if named - {"none", "all", "mlflow"}:
+            warnings.warn(f"report_to={self.report_to!r}: hpsweep starts no integration but MLflow's, which tracks a "
+                          "sweep with report_to='mlflow' (as --mlflow does)", stacklevel=3)
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise UserError(f"num_train_epochs={self.num_train_epochs}: train for > 0 epochs or set max_steps > 0")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",

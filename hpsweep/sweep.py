@@ -192,7 +192,8 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
                    eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,
                    data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
                    callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,
-                   sweep_callbacks=list(sweep_callbacks), model_takes_trial=takes_trial,
+                   sweep_callbacks=[*sweep_callbacks, *tracker_for(trainer.args, sweep_callbacks)],
+                   model_takes_trial=takes_trial,
                    trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer),
                    processes_per_trial=processes_per_trial)
     if placement.note:
@@ -240,6 +241,18 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if isinstance(best, runs.BestRun):
         trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
     return best
+
+
+def tracker_for(args: Any, callbacks: Sequence[SweepCallback]) -> list[SweepCallback]:
+    """transformers' ``report_to="mlflow"`` (or ``"all"``: every installed integration, and MLflow
+    is one of hpsweep's): the sweep tracked as its MLflowCallback would, through
+    ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME``, unless it has an `MLflowTracker` already."""
+    named = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
+    if not {"mlflow", "all"} & set(named):
+        return []
+    from .integrations.mlflow import MLflowTracker
+
+    return [] if any(isinstance(c, MLflowTracker) for c in callbacks) else [MLflowTracker()]
 
 
 def trial_trainer_kwargs(trainer: Any) -> dict[str, Any]:

@@ -66,9 +66,14 @@ def test_what_hpsweep_does_not_support_is_one_line_naming_it(kwargs: dict, needl
     assert "\n" not in message and all(n in message for n in needles), message
 
 
-def test_report_to_is_accepted_but_starts_nothing() -> None:
-    assert TrainingArguments(report_to="all").report_to == "all"
-    with pytest.warns(UserWarning, match="--mlflow"):
+def test_report_to_other_than_mlflow_is_accepted_and_warns_that_it_starts_nothing() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MLflow's is the one integration a sweep starts (tests/test_mlflow.py)
+        assert TrainingArguments(report_to="all").report_to == "all"
+        assert TrainingArguments(report_to=["mlflow"]).report_to == ["mlflow"]
+    with pytest.warns(UserWarning, match="report_to='mlflow'"):
         assert TrainingArguments(report_to=["wandb"]).report_to == ["wandb"]
 
 

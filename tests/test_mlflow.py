@@ -222,6 +222,28 @@ def test_a_lost_ending_still_gets_the_params_model_init_sampled(mlflow_server: s
     assert repaired.data.metrics["objective"] == pytest.approx(record["objective"])
 
 
+def test_report_to_mlflow_tracks_the_sweep_as_transformers_mlflowcallback_would(mlflow_server: str,
+                                                                             tmp_path: Path) -> None:
+    """transformers' report_to="mlflow" with MLflow's own environment variables, no --mlflow: the
+    sweep is tracked (one parent, a child per trial); with --mlflow too, still once."""
+    from mlflow.tracking import MlflowClient
+
+    space = write_space(tmp_path, epochs=2, extra_args=', report_to="mlflow"',
+                        space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True)}')
+    env = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "hf-report-to"}
+    hpsweep_cli("run", space, "--n-trials", "2", env=env, check=True)
+    hpsweep_cli("run", space, "--n-trials", "3", "--mlflow", mlflow_server, env=env, check=True)
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("hf-report-to")
+    assert experiment is not None
+    runs_ = client.search_runs([experiment.experiment_id], max_results=100)
+    parents = [r for r in runs_ if r.data.tags.get("hpsweep.role") == "sweep"]
+    assert len(parents) == 1  # the rerun continues the sweep, and its run
+    children = [r for r in runs_ if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 3 and {c.info.run_id for c in children} == {  # one each: --mlflow doubled nothing
+        r["user_attrs"]["mlflow_run_id"] for r in _records(tmp_path / "out").values()}
+
+
 @pytest.mark.parametrize("backend, extra_args", [
     ("ray", ["--scheduler", "asha", "--n-jobs", "2"]),
     ("wandb", ["--sampler", "random"]),
