@@ -521,3 +521,23 @@ def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_pa
     assert left == {"name": "exp", "reuse_actors": False} and note.startswith("verbose, metric, mode: Tune's own")
     with pytest.raises(UserError, match="set max_steps"):
         tune_run_keywords({"stop": {"training_iteration": 1}})
+
+
+def test_a_users_pbt_that_mutates_the_model_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """A trial PBT restores from another's checkpoint keeps that trial's model, so a mutated model
+    param would not take effect (and the weights would not fit): one line, as --scheduler pbt."""
+    import torch
+    from ray import tune
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    import hpsweep
+
+    data = [{"x": torch.zeros(4), "labels": 0}] * 8
+    trainer = hpsweep.Trainer(model_init=lambda trial: torch.nn.Linear(4, 2), train_dataset=data, eval_dataset=data,
+                              args=hpsweep.TrainingArguments(str(tmp_path / "out")))
+    pbt = PopulationBasedTraining(metric="eval_loss", mode="min", hyperparam_mutations={
+        "learning_rate": tune.uniform(1e-3, 1e-1), "hidden": [8, 16]})
+    with pytest.raises(hpsweep.UserError, match="PopulationBasedTraining mutates hidden, which no TrainingArguments"):
+        trainer.hyperparameter_search(hp_space=lambda _: {"hidden": tune.choice([8, 16])}, backend="ray",
+                                      n_trials=2, scheduler=pbt)
+    assert not (tmp_path / "out").exists()

@@ -269,10 +269,21 @@ def is_tune_object(what: str, value: Any) -> bool:
 
 def scheduler_kind(scheduler_object: Any) -> str:
     """A user's scheduler by what it does: "pbt" for population-based training (it clones trials
-    from others' checkpoints), else its class name."""
+    from others' checkpoints), else its class name. A PBT that mutates more than training
+    arguments is refused, as ``--scheduler pbt`` never does it: a checkpoint loads only into the
+    model it came from."""
     from ray.tune.schedulers import PopulationBasedTraining
 
-    return "pbt" if isinstance(scheduler_object, PopulationBasedTraining) else type(scheduler_object).__name__
+    if not isinstance(scheduler_object, PopulationBasedTraining):
+        return type(scheduler_object).__name__
+    mutated = getattr(scheduler_object, "_hyperparam_mutations", None) or \
+        getattr(scheduler_object, "_hyperparam_bounds", None) or {}  # PB2's
+    others = sorted(set(mutated) - set(FIELD_NAMES))
+    if others:
+        raise UserError(f"{type(scheduler_object).__name__} mutates {', '.join(others)}, which no TrainingArguments "
+                        "field holds: a trial it restores from another's checkpoint keeps that trial's model; mutate "
+                        "training arguments only (learning_rate, weight_decay, ...)")
+    return "pbt"
 
 
 def fresh_copy(obj: Any) -> Any:
