@@ -230,9 +230,9 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     left, settings = dict(options), {}
     for tune_name, ours in (("search_alg", "sampler"), ("local_dir", "storage"), ("storage_path", "storage"),
                             ("time_budget_s", "timeout"), ("max_concurrent_trials", "n_jobs")):
-        if left.get(tune_name) is not None:
-            settings[ours] = left.pop(tune_name)
-        left.pop(tune_name, None)
+        value = left.pop(tune_name, None)
+        if value is not None:
+            settings[ours] = value
     if isinstance(settings.get("timeout"), datetime.timedelta):
         settings["timeout"] = settings["timeout"].total_seconds()
     if left.pop("fail_fast", False):
