@@ -5,6 +5,8 @@ same for every backend and every process or node that writes there, so the displ
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,39 +23,51 @@ class SweepProgress:
     The bar is redrawn as often as the records are read (every ``interval`` s), not at rich's
     default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with.
     Off a terminal (a log file, a pipe, a cluster job's log) there is no bar: each trial's line is
-    written whole, with the count, the best so far and the time left at its end."""
+    written whole, with the count, the best so far and the time left at its end; rich is imported
+    when the first line is (~20 ms of the GIL the first trial would otherwise train without)."""
 
     def __init__(self, output_dir: Path, *, n_trials: int | None, timeout: float | None, directions: list[str],
                  objective_name: str, interval: float = 0.5) -> None:
-        from rich.console import Console
-
         self.output_dir, self.n_trials, self.timeout = output_dir, n_trials, timeout
         self.directions, self.objective_name, self.interval = directions, objective_name, interval
-        self.console = Console(stderr=True)
+        self._console: Any = _console() if _may_draw() else None  # rich decides now: the bar shows from the start
+        self._progress: Any = None
         self._printed: set[str] = set()
         self._index = runs.TrialIndex(output_dir)  # its own: it is refreshed on the display's thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    @property
+    def console(self) -> Any:
+        """rich's console on standard error (made on first use)."""
+        if self._console is None:
+            self._console = _console()
+        return self._console
 
+    def start(self) -> None:
         self._start = time.monotonic()
         self._finished_before = {r.id for r in runs.read_trials(self.output_dir) if r.state != "running"}
+        if self._console is not None and (self._console.is_terminal or self._console.is_jupyter):
+            self._start_bar()
+        self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
+        self._thread.start()
+
+    def _start_bar(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("{task.fields[left]}"), TextColumn("{task.fields[best]}"),
                                   console=self.console, transient=True, refresh_per_second=1 / self.interval)
         self._task = self._progress.add_task("sweep", total=self.n_trials, left="", best="")
         self._progress.start()
-        self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._tick()
-            self._progress.stop()
+            if self._progress is not None:
+                self._progress.stop()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -69,8 +83,9 @@ class SweepProgress:
             if r.id not in self._printed and r.id not in self._finished_before:
                 self._print_trial(r, done)
                 self._printed.add(r.id)
-        best_text, left = self._best_text(records), self._time_left(done)
-        self._progress.update(self._task, completed=len(done), best=best_text, left=left)
+        if self._progress is not None:
+            best_text, left = self._best_text(records), self._time_left(done)
+            self._progress.update(self._task, completed=len(done), best=best_text, left=left)
 
     def _best_text(self, records: list[runs.TrialRecord]) -> str:
         best = runs.best_records(records, self.directions)
@@ -109,6 +124,22 @@ class SweepProgress:
     def _read(self) -> list[runs.TrialRecord]:
         self._index.refresh()
         return self._index.records()
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _may_draw() -> bool:
+    """Whether rich could draw a bar here: standard error is a terminal, a notebook runs us, or one of
+    the variables rich reads says to draw as on a terminal. Otherwise (a pipe or a file) it cannot,
+    and rich is left unimported until there is a line to write."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    return (bool(isatty and isatty()) or "IPython" in sys.modules
+            or any(os.environ.get(name) for name in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE",
+                                                     "JUPYTER_COLUMNS", "DATABRICKS_RUNTIME_VERSION")))
 
 
 def _fmt(value: Any) -> str:

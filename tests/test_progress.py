@@ -4,6 +4,10 @@ trial that is training); a plain training run's bar likewise. Off a terminal, wh
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import rich.live
@@ -79,3 +83,36 @@ def test_a_plain_training_runs_bar_is_redrawn_twice_a_second(tmp_path, monkeypat
     assert trainer.train().global_step == 20
     seconds = time.monotonic() - started
     assert 2 <= len(redraws) <= 2 * seconds + 3, len(redraws)  # 10 Hz would be ~20
+
+
+def test_off_a_terminal_rich_waits_for_the_first_line_and_the_lines_are_whole(tmp_path):
+    # A pipe, as a cluster job's log or `hpsweep run ... | tee` has: no bar to draw, so the display
+    # costs the first trial nothing (rich's import is ~20 ms of the GIL) and writes whole lines.
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from hpsweep import runs
+        from hpsweep.progress import SweepProgress
+
+        out = Path({str(tmp_path)!r})
+        progress = SweepProgress(out, n_trials=2, timeout=None, directions=["maximize"], objective_name="eval_accuracy",
+                                 interval=0.05)
+        progress.start()
+        time.sleep(0.3)
+        before = "rich" in sys.modules
+        run_dir = runs.run_dir_for(out, "0")
+        run_dir.mkdir()
+        record = runs.TrialRecord(id="0", number=0, backend="optuna", params={{"learning_rate": 0.01}},
+                                  objective_name="eval_accuracy", directions=["maximize"], run_dir=str(run_dir))
+        record.finish("complete", objective=0.9375)
+        time.sleep(0.3)
+        print("rich before the first line:", before, "after:", "rich" in sys.modules)
+        progress.stop()
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rich before the first line: False after: True" in proc.stdout
+    line = next(line for line in proc.stderr.splitlines() if " run-0" in line)
+    assert "complete" in line and "eval_accuracy=0.9375" in line and "learning_rate=0.01" in line
+    assert "(1/2 done, best eval_accuracy=0.9375 (run-0)" in line
