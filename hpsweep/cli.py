@@ -96,10 +96,12 @@ def _resources(text: str) -> dict[str, float]:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from .heap import FreezeAtSweepBegin, collector_off
+    from .heap import FreezeAtSweepBegin, collector_off, freeze_libraries
 
-    with collector_off():  # until the sweep begins: see hpsweep.heap
+    with collector_off():  # see hpsweep.heap
         from .api import run
+
+        freeze_libraries()
 
         options: dict[str, Any] = {k: v for k, v in {
             "timeout": ns.timeout, "storage": ns.storage, "sampler": ns.sampler, "pruner": ns.pruner,
@@ -107,7 +109,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             "seed": ns.seed}.items() if v is not None}
         options["max_failed_trials"] = ns.max_failed_trials
         options["processes_per_trial"] = ns.processes_per_trial
-        options["sweep_callbacks"] = [FreezeAtSweepBegin(), *_sweep_callbacks(ns)]
+        options["sweep_callbacks"] = [*_sweep_callbacks(ns), FreezeAtSweepBegin()]  # last: after MLflow's imports
         best = run(ns.space_file, backend=ns.backend, n_trials=ns.n_trials, output_dir=ns.output_dir,
                    config=ns.config, set_args=ns.set_args, study_name=ns.study_name, resume=ns.resume,
                    n_jobs=ns.n_jobs, **options)

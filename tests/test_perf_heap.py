@@ -1,7 +1,8 @@
 """``hpsweep run``'s start-up heap (hpsweep.heap): its trials run with the collector on and the
 start-up heap frozen, in ``--n-jobs`` workers too, with what torch's first optimizer imports
-already there; a program that runs the command in its own process gets its collector back as it
-was; the Python API leaves the collector alone."""
+already there; what the space file left behind is collected, not kept; a program that runs the
+command in its own process gets its collector back as it was; the Python API leaves the
+collector alone."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,14 @@ import textwrap
 from conftest import hpsweep_cli, write_space
 
 PROBE = '''
-import gc, json, os, sys, uuid
+import gc, json, os, sys, uuid, weakref
+
+class _Cycle:  # garbage a space file leaves: a reference cycle holding 10 MB, dropped once loaded
+    pass
+_cycle = _Cycle()
+_cycle.itself, _cycle.payload = _cycle, bytearray(10_000_000)
+_left_behind = weakref.ref(_cycle)
+del _cycle
 
 class Probe(hpsweep.TrainerCallback):
     """What a trial sees of the collector, before its optimizer is built."""
@@ -21,7 +29,8 @@ class Probe(hpsweep.TrainerCallback):
             return  # the Trainer that holds the search, not a trial's
         with open(os.path.join({folder!r}, f"probe-{{uuid.uuid4().hex}}.json"), "w") as f:
             json.dump({{"pid": os.getpid(), "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(),
-                       "optimizer_imports_done": "torch._dynamo" in sys.modules}}, f)
+                       "optimizer_imports_done": "torch._dynamo" in sys.modules,
+                       "space_file_garbage_kept": _left_behind() is not None}}, f)
 
 callbacks = [Probe()]
 '''
@@ -42,6 +51,7 @@ def test_trials_of_the_command_run_on_a_frozen_start_up_heap_with_the_collector_
         assert p["collecting"], p  # what trials make is collected
         assert p["frozen"] > 10_000, p  # torch's, optuna's and the space file's objects are not scanned
         assert p["optimizer_imports_done"], p  # no worker imports torch._dynamo again in its first trial
+        assert not p["space_file_garbage_kept"], p  # collected before the heap was frozen
 
 
 def test_a_program_gets_its_collector_back_and_the_python_api_leaves_it_alone(tmp_path):
