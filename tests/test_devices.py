@@ -130,7 +130,7 @@ def devices_by_worker(out: Path) -> dict[int, set[str]]:
 
 
 def test_each_worker_trains_on_the_gpu_it_was_placed_on(tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=1)
+    space = write_space(tmp_path, epochs=20)  # trials long enough that both workers get one
     proc = hpsweep_cli("run", space, "--n-trials", "4", "--n-jobs", "4", "--pruner", "none",
                        env={"HPSWEEP_FAKE_GPUS": "2"}, check=True)
     assert "2 trials run at once" in proc.stderr  # 4 asked, 2 GPUs with the default gpu=1
@@ -142,7 +142,7 @@ def test_each_worker_trains_on_the_gpu_it_was_placed_on(tmp_path: Path) -> None:
 
 
 def test_half_a_gpu_puts_two_workers_on_one_gpu(tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=1)
+    space = write_space(tmp_path, epochs=20)  # trials long enough that both workers get one
     hpsweep_cli("run", space, "--n-trials", "4", "--n-jobs", "2", "--resources-per-trial", "gpu=0.5",
                 "--pruner", "none", env={"HPSWEEP_FAKE_GPUS": "1"}, check=True)
     seen = devices_by_worker(tmp_path / "out")

@@ -68,7 +68,7 @@ def test_a_mixed_precision_sweep_trains_on_the_gpu(tmp_path: Path, precision: st
 
 
 def test_half_a_gpu_runs_two_trials_on_one_gpu(tmp_path: Path) -> None:
-    space = gpu_space(tmp_path, epochs=2)
+    space = gpu_space(tmp_path, epochs=20)  # trials long enough that both workers get one
     hpsweep_cli("run", space, "--n-trials", "4", "--n-jobs", "2", "--resources-per-trial", "gpu=0.5",
                 "--pruner", "none", env={"CUDA_VISIBLE_DEVICES": "0"}, check=True)
     records = runs.read_trials(tmp_path / "out")

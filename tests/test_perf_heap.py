@@ -43,7 +43,7 @@ def _probes(folder):
 def test_trials_of_the_command_run_on_a_frozen_start_up_heap_with_the_collector_on(tmp_path):
     probes = tmp_path / "probes"
     probes.mkdir()
-    space = write_space(tmp_path, extra=PROBE.format(folder=str(probes)))
+    space = write_space(tmp_path, epochs=20, extra=PROBE.format(folder=str(probes)))  # trials that overlap
     hpsweep_cli("run", space, "--n-trials", "4", "--n-jobs", "2", check=True)
     seen = _probes(probes)
     assert len(seen) == 4 and len({p["pid"] for p in seen}) == 2  # every trial, in both workers

@@ -155,7 +155,8 @@ def test_n_jobs_runs_trials_in_parallel_processes(tmp_path: Path) -> None:
 
 
 def test_processes_sharing_one_storage_share_the_work(tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=4)
+    # Trials long enough (~0.4 s) that the six outlast the gap between the two processes' start-ups.
+    space = write_space(tmp_path, epochs=30)
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", "6", "--storage", url,
            "--pruner", "none"]
