@@ -3,8 +3,8 @@
 CPython runs a full collection each time the heap has grown by a quarter since the last one, and
 a full collection scans every object. Importing torch, optuna and what a trial's first optimizer
 imports (torch._dynamo) grows the heap to ~300,000 objects, through five full collections that
-took 0.2 s of a 1.9 s first trial here. So ``hpsweep run`` follows the recipe of CPython's `gc.freeze`
-documentation:
+took 0.2 s of a 1.9 s first trial here. So ``hpsweep run`` follows the recipe of the
+documentation of CPython's `gc.freeze`:
 
 1. The command imports its libraries (torch, hpsweep) with the collector off and freezes them:
    no collection ever scans those objects again. Nothing of the user's exists yet.
@@ -17,12 +17,13 @@ documentation:
 
 The price: the cyclic garbage the libraries' imports leave in step 1 (7,055 of 254,559 objects
 here, a few MB) is kept until the sweep ends, when the heap is unfrozen; and step 3's collection
-(0.04 s). The Python API (``Trainer.hyperparameter_search``) leaves
-the collector of the user's process alone.
+(0.04 s). The Python API (``Trainer.hyperparameter_search``) leaves the collector of the user's
+process alone.
 """
 from __future__ import annotations
 
 import gc
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,10 +76,7 @@ def warm_trial_imports() -> None:
     first torch optimizer built in a process imports, torch._dynamo (0.7 s here;
     `Optimizer.add_param_group` is wrapped to keep torch.compile out of it), by building a
     throwaway one."""
-    import importlib
-
     import torch
 
     importlib.import_module("accelerate")
-
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
