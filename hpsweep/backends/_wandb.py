@@ -179,6 +179,7 @@ class WandbBackend(Backend):
     pruners = ("hyperband", "none")
     reads = frozenset({"resources_per_trial"})
     option_names = OPTIONS
+    parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     @staticmethod
     def transformers_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
@@ -189,7 +190,6 @@ class WandbBackend(Backend):
         note = f"metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored" \
             if metric is not None else None
         return left, {"study_name": str(project)} if project else {}, note
-    parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     def __init__(self, settings: SearchSettings) -> None:
         if settings.hp_space is not None:  # a W&B sweep config, as Hugging Face users write hp_space
