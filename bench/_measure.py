@@ -4,6 +4,7 @@ On a shared machine wall time mostly measures the neighbours; CPU time (user + s
 the process and every descendant: workers, Ray's daemons) measures the work a contender did. The
 benches report both.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -25,7 +26,8 @@ class Sampled:
     stderr: str
     start: float  # time.time() just before the command started
     end: float
-    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (time, CPU s, RSS MB of the tree)
+    # (time, CPU s, RSS MB of the tree)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
 
     def cpu_at(self, t: float) -> float:
         """CPU seconds the tree had used by time ``t`` (linear between samples)."""
@@ -48,7 +50,7 @@ class Sampled:
 
 
 @functools.cache
-def compile_sources(tree: Path = Path(__file__).resolve().parents[1]) -> None:
+def compile_sources(tree: Path = Path(__file__).resolve().parents[1]) -> None:  # noqa: B008
     """Compile a checkout's Python files (hpsweep, the space files, bench's) to bytecode, once, as an
     installed package has them: pip compiles a package when it installs it, and Python caches an
     editable install's on first import. A machine with PYTHONDONTWRITEBYTECODE=1 (the development
@@ -60,8 +62,14 @@ def compile_sources(tree: Path = Path(__file__).resolve().parents[1]) -> None:
             compileall.compile_dir(str(tree / folder), quiet=1)
 
 
-def run_sampled(cmd: list[str], *, env: dict[str, str] | None = None, interval: float = 0.2,
-                timeout: float | None = None, cwd: str | None = None) -> Sampled:
+def run_sampled(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    interval: float = 0.2,
+    timeout: float | None = None,
+    cwd: str | None = None,
+) -> Sampled:
     """Run ``cmd`` to the end while a thread samples its process tree every ``interval`` seconds.
 
     A process's CPU time is kept at its last sample after it exits, so the total never goes down
@@ -69,7 +77,9 @@ def run_sampled(cmd: list[str], *, env: dict[str, str] | None = None, interval: 
     """
     compile_sources()
     start = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
     samples: list[tuple[float, float, float]] = []
     last_cpu: dict[int, float] = {}
     done = threading.Event()

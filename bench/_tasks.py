@@ -4,12 +4,14 @@
 - shapes: a harder one, no download: 12x12 images of six noisy line shapes at random places and
   lengths (bars, diagonals, crosses, boxes), classified by a small two-layer CNN.
 """
+
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _digits_module() -> Any:
-    spec = importlib.util.spec_from_file_location("digits_mlp_space", ROOT / "search_spaces" / "digits_mlp.py")
+    spec = importlib.util.spec_from_file_location(
+        "digits_mlp_space", ROOT / "search_spaces" / "digits_mlp.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -57,9 +61,17 @@ def _shapes(part: str) -> torch.utils.data.TensorDataset:
 class CNN(nn.Module):
     def __init__(self, channels: int = 8, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                 nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                 nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * channels * 9, 6))
+        self.net = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(2 * channels * 9, 6),
+        )
 
     def forward(self, x, labels=None):
         logits = self.net(x)
@@ -78,17 +90,35 @@ class Task:
 
 def _digits() -> Task:
     m = _digits_module()
-    return Task("digits", m._split, lambda p: m.MLP(hidden=p["hidden"], dropout=p["dropout"]),
-                {"learning_rate": ("float", 1e-4, 3e-1, True), "per_device_train_batch_size": ("cat", [16, 32, 64]),
-                 "num_train_epochs": ("int", 2, 6, 1), "hidden": ("int", 16, 128, 16),
-                 "dropout": ("float", 0.0, 0.3, False)}, 6)
+    return Task(
+        "digits",
+        m._split,
+        lambda p: m.MLP(hidden=p["hidden"], dropout=p["dropout"]),
+        {
+            "learning_rate": ("float", 1e-4, 3e-1, True),
+            "per_device_train_batch_size": ("cat", [16, 32, 64]),
+            "num_train_epochs": ("int", 2, 6, 1),
+            "hidden": ("int", 16, 128, 16),
+            "dropout": ("float", 0.0, 0.3, False),
+        },
+        6,
+    )
 
 
 def _shapes_task() -> Task:
-    return Task("shapes", _shapes, lambda p: CNN(channels=p["channels"], dropout=p["dropout"]),
-                {"learning_rate": ("float", 1e-4, 1e-1, True), "per_device_train_batch_size": ("cat", [32, 64, 128]),
-                 "num_train_epochs": ("int", 2, 6, 1), "channels": ("cat", [4, 8, 16]),
-                 "dropout": ("float", 0.0, 0.5, False)}, 6)
+    return Task(
+        "shapes",
+        _shapes,
+        lambda p: CNN(channels=p["channels"], dropout=p["dropout"]),
+        {
+            "learning_rate": ("float", 1e-4, 1e-1, True),
+            "per_device_train_batch_size": ("cat", [32, 64, 128]),
+            "num_train_epochs": ("int", 2, 6, 1),
+            "channels": ("cat", [4, 8, 16]),
+            "dropout": ("float", 0.0, 0.5, False),
+        },
+        6,
+    )
 
 
 def get(name: str) -> Task:
@@ -118,17 +148,25 @@ def dataset(task: Task, part: str) -> Any:
     return _LOADED[task.name, part]
 
 
-def hand_train(task: Task, params: dict, report: Callable[[int, float], bool],
-               fused: bool | None = None, checkpoint: Callable[..., Any] | None = None) -> float | None:
+def hand_train(
+    task: Task,
+    params: dict,
+    report: Callable[[int, float], bool],
+    fused: bool | None = None,
+    checkpoint: Callable[..., Any] | None = None,
+) -> float | None:
     """The loop a careful user writes: AdamW, linear decay, clipping, evaluation every epoch.
     ``report(epoch, accuracy)`` returns True to stop (pruned); returns the final accuracy or None.
     ``fused``: AdamW's ``fused`` argument (torch's default kernel unless set). ``checkpoint(epoch,
     model, optimizer, scheduler)``, when given, is called after each epoch that was not pruned."""
     torch.manual_seed(42)
     model = task.build(params)
-    opt = torch.optim.AdamW(model.parameters(), lr=params["learning_rate"], weight_decay=0.0, fused=fused)
-    loader = torch.utils.data.DataLoader(dataset(task, "train"), batch_size=params["per_device_train_batch_size"],
-                                         shuffle=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=params["learning_rate"], weight_decay=0.0, fused=fused
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset(task, "train"), batch_size=params["per_device_train_batch_size"], shuffle=True
+    )
     epochs = params["num_train_epochs"]
     total = epochs * len(loader)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
@@ -139,11 +177,15 @@ def hand_train(task: Task, params: dict, report: Callable[[int, float], bool],
         for x, y in loader:
             model(x, y)["loss"].backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step(); sched.step(); opt.zero_grad()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
         model.eval()
         with torch.no_grad():
-            correct = sum(int((model(x, y)["logits"].argmax(-1) == y).sum())
-                          for x, y in torch.utils.data.DataLoader(val, batch_size=256))
+            correct = sum(
+                int((model(x, y)["logits"].argmax(-1) == y).sum())
+                for x, y in torch.utils.data.DataLoader(val, batch_size=256)
+            )
         acc = correct / len(val)
         if report(epoch + 1, acc):
             return None

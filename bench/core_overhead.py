@@ -24,6 +24,7 @@ AdamW with a linear schedule and gradient clipping, 10 trials; only the learning
 searched, so every trial does the same work whatever is sampled. Torch runs one thread in
 every variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import compile_sources  # noqa: E402
 
-COMMON = '''
+COMMON = """
 import torch
 from torch import nn
 torch.set_num_threads(1)
@@ -62,9 +63,11 @@ class MLP(nn.Module):
     def forward(self, x, labels=None):
         logits = self.net(x)
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
-'''
+"""
 
-HAND = COMMON + '''
+HAND = (
+    COMMON
+    + """
 import os, optuna
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 train, val = load("train"), load("eval")
@@ -105,9 +108,12 @@ pruner = (optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if P
 study = optuna.create_study(direction="maximize", storage=storage, study_name="hand", pruner=pruner,
                             sampler=optuna.samplers.TPESampler(seed=SEED))
 study.optimize(objective, n_trials=TRIALS)
-'''
+"""
+)
 
-SPACE = COMMON + '''
+SPACE = (
+    COMMON
+    + """
 import hpsweep
 train_dataset = lambda: load("train")
 eval_dataset = lambda: load("eval")
@@ -120,9 +126,12 @@ space = {"learning_rate": hpsweep.Float(1e-4, 1e-1, log=True)}
 args = hpsweep.TrainingArguments(output_dir=OUT, num_train_epochs=EPOCHS, per_device_train_batch_size=32,
                                  per_device_eval_batch_size=256)
 objective, direction = "eval_accuracy", "maximize"
-'''
+"""
+)
 
-HF = COMMON + '''
+HF = (
+    COMMON
+    + """
 from transformers import Trainer, TrainingArguments
 import optuna
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -143,23 +152,38 @@ trainer = Trainer(model_init=lambda trial: MLP(), args=args, train_dataset=load(
 trainer.hyperparameter_search(hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-4, 1e-1, log=True)},
                               n_trials=TRIALS, direction="maximize", backend="optuna",
                               compute_objective=lambda m: m["eval_accuracy"])
-'''
+"""
+)
 
 
 def command(name: str, out: Path, ns: argparse.Namespace) -> list[str]:
     work = out.parent
     hidden = [int(w) for w in ns.hidden.split(",")]
-    header = (f"TRIALS, EPOCHS, OUT, HIDDEN = {ns.trials}, {ns.epochs}, {str(out)!r}, {hidden!r}\n"
-              f"PRUNER, SEED = {ns.pruner!r}, {ns.seed}\n")
+    header = (
+        f"TRIALS, EPOCHS, OUT, HIDDEN = {ns.trials}, {ns.epochs}, {str(out)!r}, {hidden!r}\n"
+        f"PRUNER, SEED = {ns.pruner!r}, {ns.seed}\n"
+    )
     if name == "hand":
         return [sys.executable, "-c", header + HAND]
     if name == "hf":
         return [sys.executable, "-c", header + HF]
     space = work / f"space_{name}_{time.monotonic_ns()}.py"
     space.write_text(header + SPACE)
-    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(ns.trials),
-           "--pruner", ns.pruner, "--seed", str(ns.seed)]
-    return cmd + (["--set", "save_strategy=no"] if name == "hpsweep-nosave" else [])  # hpsweep, hpsweep-base
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpsweep.cli",
+        "run",
+        str(space),
+        "--n-trials",
+        str(ns.trials),
+        "--pruner",
+        ns.pruner,
+        "--seed",
+        str(ns.seed),
+    ]
+    # hpsweep, hpsweep-base
+    return cmd + (["--set", "save_strategy=no"] if name == "hpsweep-nosave" else [])
 
 
 def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
@@ -184,27 +208,48 @@ def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--hidden", default="64", help="the MLP's hidden widths, comma-separated (the issue's: 64); "
-                        "wider models make checkpoints cost more")
-    parser.add_argument("--pruner", choices=("none", "median"), default="none",
-                        help="none (the issue's: every trial trains fully) or median (hpsweep's default pruner, "
-                             "also in the hand loop, which asks it before each checkpoint)")
+    parser.add_argument(
+        "--hidden",
+        default="64",
+        help="the MLP's hidden widths, comma-separated (the issue's: 64); "
+        "wider models make checkpoints cost more",
+    )
+    parser.add_argument(
+        "--pruner",
+        choices=("none", "median"),
+        default="none",
+        help="none (the issue's: every trial trains fully) or median (hpsweep's default pruner, "
+        "also in the hand loop, which asks it before each checkpoint)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed, on both sides")
     has_hf = importlib.util.find_spec("transformers") is not None
-    parser.add_argument("--variants", default="hand,hpsweep,hpsweep-nosave" + (",hf" if has_hf else ""),
-                        help="comma-separated; the first is the peer every ratio divides by")
-    parser.add_argument("--base", metavar="TREE", help="a checkout of an earlier hpsweep: adds the variant "
-                        "hpsweep-base, its defaults run from that tree, for before/after in one run")
+    parser.add_argument(
+        "--variants",
+        default="hand,hpsweep,hpsweep-nosave" + (",hf" if has_hf else ""),
+        help="comma-separated; the first is the peer every ratio divides by",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="TREE",
+        help="a checkout of an earlier hpsweep: adds the variant "
+        "hpsweep-base, its defaults run from that tree, for before/after in one run",
+    )
     ns = parser.parse_args()
     variants = ns.variants.split(",") + (["hpsweep-base"] if ns.base else [])
     unknown = set(variants) - {"hand", "hf", "hpsweep", "hpsweep-nosave", "hpsweep-base"}
     if unknown or ("hpsweep-base" in variants and not ns.base):
-        parser.error(f"unknown variants {sorted(unknown)}: use hand, hpsweep, hpsweep-nosave, hf; --base TREE "
-                     "adds hpsweep-base" if unknown else "hpsweep-base needs --base TREE")
+        parser.error(
+            f"unknown variants {sorted(unknown)}: use hand, hpsweep, hpsweep-nosave, hf; --base TREE "
+            "adds hpsweep-base"
+            if unknown
+            else "hpsweep-base needs --base TREE"
+        )
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     disk: dict[str, list[float]] = {v: [] for v in variants}
@@ -217,24 +262,36 @@ def main() -> None:
                 cpu[v].append(c)
                 disk[v].append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20)
                 shutil.rmtree(out)
-                print(f"  round {r + 1}: {v:<15} {w:6.2f} s wall {c:6.2f} s CPU {disk[v][-1]:8.1f} MB on disk",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  round {r + 1}: {v:<15} {w:6.2f} s wall {c:6.2f} s CPU {disk[v][-1]:8.1f} MB on disk",
+                    file=sys.stderr,
+                    flush=True,
+                )
     peer = variants[0]
-    print(f"\n{ns.trials} trials x {ns.epochs} epochs; {ns.repeats} interleaved rounds of fresh processes; "
-          f"ratio = median over rounds of (variant / {peer} in the same round)")
-    print(f"| variant | median wall s | wall vs {peer} | min-max | median CPU s | CPU vs {peer} | min-max "
-          "| MB left on disk |")
+    print(
+        f"\n{ns.trials} trials x {ns.epochs} epochs; {ns.repeats} interleaved rounds of fresh processes; "
+        f"ratio = median over rounds of (variant / {peer} in the same round)"
+    )
+    print(
+        f"| variant | median wall s | wall vs {peer} | min-max | median CPU s | CPU vs {peer} | min-max "
+        "| MB left on disk |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in variants:
         rw = [a / b for a, b in zip(wall[v], wall[peer])]
         rc = [a / b for a, b in zip(cpu[v], cpu[peer])]
-        print(f"| {v} | {statistics.median(wall[v]):.2f} | {statistics.median(rw):.2f}x | {min(rw):.2f}-{max(rw):.2f} "
-              f"| {statistics.median(cpu[v]):.2f} | {statistics.median(rc):.2f}x | {min(rc):.2f}-{max(rc):.2f} "
-              f"| {statistics.median(disk[v]):.1f} |")
+        print(
+            f"| {v} | {statistics.median(wall[v]):.2f} | {statistics.median(rw):.2f}x | {min(rw):.2f}-{max(rw):.2f} "
+            f"| {statistics.median(cpu[v]):.2f} | {statistics.median(rc):.2f}x | {min(rc):.2f}-{max(rc):.2f} "
+            f"| {statistics.median(disk[v]):.1f} |"
+        )
     base = f" --base {ns.base}" if ns.base else ""
-    print(f"\nreproduce: python bench/core_overhead.py --trials {ns.trials} --epochs {ns.epochs} "
-          f"--repeats {ns.repeats} --variants {ns.variants} --hidden {ns.hidden} --pruner {ns.pruner} "
-          f"--seed {ns.seed}{base}")
+    print(
+        f"\nreproduce: python bench/core_overhead.py --trials {ns.trials} --epochs {ns.epochs} "
+        f"--repeats {ns.repeats} --variants {ns.variants} --hidden {ns.hidden} --pruner {ns.pruner} "
+        f"--seed {ns.seed}{base}"
+    )
+
 
 if __name__ == "__main__":
     main()

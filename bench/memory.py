@@ -10,6 +10,7 @@ one short epoch, evaluates and writes its checkpoint. A callback samples memory 
 starts (after the model, optimizer and loaders are built), so a trial that kept the previous
 trial's model alive would show up as one model's worth of growth per trial.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,11 @@ class Sample(hpsweep.TrainerCallback):
         self.rows: list[dict[str, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
-        row = {"trial": state.trial_number + 1, "rss_mb": round(rss_mb(), 1), "live_tensors_mb": round(live_tensor_mb(), 1)}
+        row = {
+            "trial": state.trial_number + 1,
+            "rss_mb": round(rss_mb(), 1),
+            "live_tensors_mb": round(live_tensor_mb(), 1),
+        }
         if self.device == "cuda":
             row["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
             row["cuda_reserved_mb"] = round(torch.cuda.memory_reserved() / 2**20, 1)
@@ -68,8 +73,13 @@ def main() -> int:
     ns = parser.parse_args()
 
     def model_init() -> nn.Module:
-        return nn.Sequential(nn.Linear(256, ns.hidden), nn.ReLU(), nn.Linear(ns.hidden, ns.hidden), nn.ReLU(),
-                             nn.Linear(ns.hidden, 10))
+        return nn.Sequential(
+            nn.Linear(256, ns.hidden),
+            nn.ReLU(),
+            nn.Linear(ns.hidden, ns.hidden),
+            nn.ReLU(),
+            nn.Linear(ns.hidden, 10),
+        )
 
     class Wrapped(nn.Module):  # the trainer's forward contract: the batch in, the loss out
         def __init__(self) -> None:
@@ -81,25 +91,43 @@ def main() -> int:
             return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
     g = torch.Generator().manual_seed(0)
-    train = torch.utils.data.TensorDataset(torch.randn(256, 256, generator=g), torch.randint(0, 10, (256,), generator=g))
-    val = torch.utils.data.TensorDataset(torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g))
+    train = torch.utils.data.TensorDataset(
+        torch.randn(256, 256, generator=g), torch.randint(0, 10, (256,), generator=g)
+    )
+    val = torch.utils.data.TensorDataset(
+        torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g)
+    )
     n_params = sum(p.numel() for p in Wrapped().parameters())
     sample = Sample(ns.device)
     with tempfile.TemporaryDirectory() as tmp:
-        args = hpsweep.TrainingArguments(output_dir=tmp, num_train_epochs=1, per_device_train_batch_size=64,
-                                         per_device_eval_batch_size=128, save_strategy="no", disable_progress=True,
-                                         use_cpu=ns.device == "cpu")
-        trainer = hpsweep.Trainer(model_init=Wrapped, args=args, train_dataset=train, eval_dataset=val,
-                                  callbacks=[sample])
+        args = hpsweep.TrainingArguments(
+            output_dir=tmp,
+            num_train_epochs=1,
+            per_device_train_batch_size=64,
+            per_device_eval_batch_size=128,
+            save_strategy="no",
+            disable_progress=True,
+            use_cpu=ns.device == "cpu",
+        )
+        trainer = hpsweep.Trainer(
+            model_init=Wrapped, args=args, train_dataset=train, eval_dataset=val, callbacks=[sample]
+        )
         started = time.perf_counter()
-        trainer.hyperparameter_search(space={"learning_rate": hpsweep.Float(1e-4, 1e-2, log=True)},
-                                      n_trials=ns.trials, sampler="random", pruner="none", seed=0,
-                                      show_progress=False)
+        trainer.hyperparameter_search(
+            space={"learning_rate": hpsweep.Float(1e-4, 1e-2, log=True)},
+            n_trials=ns.trials,
+            sampler="random",
+            pruner="none",
+            seed=0,
+            show_progress=False,
+        )
         elapsed = time.perf_counter() - started
     rows = sample.rows
     first, last = rows[0], rows[-1]
-    print(f"model: {n_params / 1e6:.2f} M params = {n_params * 4 / 2**20:.1f} MB of fp32 weights "
-          f"(+ {2 * n_params * 4 / 2**20:.1f} MB of AdamW state); {len(rows)} trials in {elapsed:.1f} s on {ns.device}")
+    print(
+        f"model: {n_params / 1e6:.2f} M params = {n_params * 4 / 2**20:.1f} MB of fp32 weights "
+        f"(+ {2 * n_params * 4 / 2**20:.1f} MB of AdamW state); {len(rows)} trials in {elapsed:.1f} s on {ns.device}"
+    )
     keys = [k for k in first if k != "trial"]
     print("trial  " + "  ".join(f"{k:>18}" for k in keys))
     for row in rows:
@@ -107,10 +135,14 @@ def main() -> int:
             print(f"{row['trial']:>5}  " + "  ".join(f"{row[k]:>18.1f}" for k in keys))
     second = rows[1] if len(rows) > 1 else first
     for k in keys:
-        print(f"{k}: trial {last['trial']} - trial 1 = {last[k] - first[k]:+.1f} MB; trial {last['trial']} - trial 2 "
-              f"(after the first trial's one-time allocations) = {last[k] - second[k]:+.1f} MB")
+        print(
+            f"{k}: trial {last['trial']} - trial 1 = {last[k] - first[k]:+.1f} MB; trial {last['trial']} - trial 2 "
+            f"(after the first trial's one-time allocations) = {last[k] - second[k]:+.1f} MB"
+        )
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"params": n_params, "device": ns.device, "rows": rows}, indent=2))
+        Path(ns.json).write_text(
+            json.dumps({"params": n_params, "device": ns.device, "rows": rows}, indent=2)
+        )
     return 0
 
 

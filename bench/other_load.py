@@ -18,6 +18,7 @@ started before the round and stopped after it, as another job on a shared machin
 Variants run interleaved within a round; ratios are taken within each round against the first
 variant and the median over rounds is reported, with the threads hpsweep's trials ran with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,17 +63,26 @@ def timed(cmd: list[str]) -> float:
 
 
 def trial_threads(out: Path) -> list[int]:
-    return sorted(json.loads(p.read_text())["user_attrs"]["threads"] for p in out.glob("run-*/trial.json"))
+    return sorted(
+        json.loads(p.read_text())["user_attrs"]["threads"] for p in out.glob("run-*/trial.json")
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--busy", default="1,0", help="comma-separated: busy processes beside the sweep, per table")
-    parser.add_argument("--variants", default="hand,hpsweep,hpsweep-pinned",
-                        help="comma-separated; the first is the peer every ratio divides by")
+    parser.add_argument(
+        "--busy", default="1,0", help="comma-separated: busy processes beside the sweep, per table"
+    )
+    parser.add_argument(
+        "--variants",
+        default="hand,hpsweep,hpsweep-pinned",
+        help="comma-separated; the first is the peer every ratio divides by",
+    )
     ns = parser.parse_args()
     ns.hidden, ns.pruner, ns.seed = "64", "none", 0
     variants = ns.variants.split(",")
@@ -81,8 +91,10 @@ def main() -> None:
     cores = devices.usable_cores()
     compile_sources()
     work = Path(tempfile.mkdtemp(prefix="hpsweep-load-"))
-    print(f"{ns.trials} trials of {ns.epochs} epochs, {ns.rounds} rounds, {cores} usable cores, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{ns.trials} trials of {ns.epochs} epochs, {ns.rounds} rounds, {cores} usable cores, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     try:
         for busy in (int(b) for b in ns.busy.split(",")):
             walls: dict[str, list[float]] = {v: [] for v in variants}
@@ -91,7 +103,8 @@ def main() -> None:
             for r in range(ns.rounds):
                 hogs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(busy)]
                 try:
-                    time.sleep(1.0 if busy else 0.0)  # the other work is under way when the sweep starts
+                    # the other work is under way when the sweep starts
+                    time.sleep(1.0 if busy else 0.0)
                     for v in variants:
                         out = work / f"{busy}-{r}-{v}"
                         walls[v].append(timed(command(v, out, ns, cores)))
@@ -104,13 +117,17 @@ def main() -> None:
                 for v in variants:
                     ratios[v].append(walls[v][-1] / walls[variants[0]][-1])
             print(f"\n{busy} busy process{'es' if busy != 1 else ''} beside the sweep:\n")
-            print(f"| variant | median wall s | vs {variants[0]} (median of rounds) | min-max | trial threads |")
+            print(
+                f"| variant | median wall s | vs {variants[0]} (median of rounds) | min-max | trial threads |"
+            )
             print("| --- | ---: | ---: | ---: | --- |")
             for v in variants:
                 counts = {t: threads[v].count(t) for t in sorted(set(threads[v]))}
                 shown = ", ".join(f"{t}: {n}" for t, n in counts.items()) or "(torch's default)"
-                print(f"| {v} | {statistics.median(walls[v]):.2f} | {statistics.median(ratios[v]):.2f}x | "
-                      f"{min(ratios[v]):.2f}-{max(ratios[v]):.2f} | {shown} |")
+                print(
+                    f"| {v} | {statistics.median(walls[v]):.2f} | {statistics.median(ratios[v]):.2f}x | "
+                    f"{min(ratios[v]):.2f}-{max(ratios[v]):.2f} | {shown} |"
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

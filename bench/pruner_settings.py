@@ -14,6 +14,7 @@ points, and the median run's best less 0.5 points), in wall seconds and in CPU s
 process tree, the best accuracy and how many trials were pruned. A candidate may also change the
 sampler (``tpe(startup=5)``: TPE with 5 random trials before it models, instead of Optuna's 10).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,13 @@ CANDIDATES = {
     "hyperband(min_resource=1)": "optuna.pruners.HyperbandPruner(min_resource=1)",
     "median(startup=5 warmup=0)": "optuna.pruners.MedianPruner()",  # Optuna's defaults
     # the sampler instead of the pruner: hpsweep's pruner with TPE modelling after 5 random trials, not 10
-    "tpe(startup=5)": ("optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)",
-                       "optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)"),
+    "tpe(startup=5)": (
+        "optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)",
+        "optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)",
+    ),
 }
 
-CHILD = '''
+CHILD = """
 import json, sys, time
 START = time.time()
 import optuna, torch
@@ -55,24 +58,48 @@ if {sampler!r} != "None":
     _optuna.OptunaBackend._sampler = lambda self, stream, seed={seed}: {sampler}
 hpsweep.run({space!r}, n_trials={trials}, seed={seed}, output_dir={out!r}, show_progress=False)
 json.dump({{"start": START, "end": time.time()}}, open({out!r} + "/times.json", "w"))
-'''
+"""
 
 
-def run_one(space: Path, candidate: str | tuple[str, str], seed: int, trials: int, out: Path) -> dict:
+def run_one(
+    space: Path, candidate: str | tuple[str, str], seed: int, trials: int, out: Path
+) -> dict:
     pruner, sampler = candidate if isinstance(candidate, tuple) else (candidate, None)
-    code = CHILD.format(pruner=pruner, sampler=str(sampler), space=str(space), trials=trials, seed=seed, out=str(out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = CHILD.format(
+        pruner=pruner,
+        sampler=str(sampler),
+        space=str(space),
+        trials=trials,
+        seed=seed,
+        out=str(out),
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     run = run_sampled([sys.executable, "-c", code], env=env)
     if run.returncode != 0:
         raise SystemExit(f"{pruner} seed {seed} failed:\n{run.stderr[-3000:]}")
     records = [json.loads(p.read_text()) for p in out.glob("*/trial.json")]
-    finished = sorted((r for r in records if r["state"] == "complete"), key=lambda r: r["finished_at"])
+    finished = sorted(
+        (r for r in records if r["state"] == "complete"), key=lambda r: r["finished_at"]
+    )
     # (wall s since start, CPU s since start, accuracy) at each finished trial
-    return {"wall": run.end - run.start, "cpu": run.cpu, "pruned": sum(r["state"] == "pruned" for r in records),
-            "curve": [(r["finished_at"] - run.start, run.cpu_at(r["finished_at"]), r["objective"]) for r in finished]}
+    return {
+        "wall": run.end - run.start,
+        "cpu": run.cpu,
+        "pruned": sum(r["state"] == "pruned" for r in records),
+        "curve": [
+            (r["finished_at"] - run.start, run.cpu_at(r["finished_at"]), r["objective"])
+            for r in finished
+        ],
+    }
 
 
-def first_reaching(curve: list[tuple[float, float, float]], target: float) -> tuple[float, float] | None:
+def first_reaching(
+    curve: list[tuple[float, float, float]], target: float
+) -> tuple[float, float] | None:
     return next(((wall, cpu) for wall, cpu, value in curve if value >= target), None)
 
 
@@ -81,14 +108,20 @@ def report(results: dict[str, list[dict]], trials: int, seeds: int) -> None:
     whose 360 evaluation images make accuracy move in steps of 0.28 points), and the median run's
     best less 0.5 points (what a typical sweep reaches: "a good accuracy")."""
     best = max(v for rs in results.values() for r in rs for *_, v in r["curve"])
-    typical = statistics.median(max(v for *_, v in r["curve"]) for rs in results.values() for r in rs)
-    print(f"\n{trials} trials per sweep, {seeds} seeds. Seconds from the process start until a finished trial "
-          "reached the target (a run that never did counts its whole sweep); medians over seeds. CPU s: the "
-          "process tree's user + system time, steadier than wall time on a shared machine.")
+    typical = statistics.median(
+        max(v for *_, v in r["curve"]) for rs in results.values() for r in rs
+    )
+    print(
+        f"\n{trials} trials per sweep, {seeds} seeds. Seconds from the process start until a finished trial "
+        "reached the target (a run that never did counts its whole sweep); medians over seeds. CPU s: the "
+        "process tree's user + system time, steadier than wall time on a shared machine."
+    )
     for label, target in (("best of all runs", best), ("median run's best", typical)):
         print(f"\ntarget {target - 0.005:.4f} = {label} ({target:.4f}) less 0.5 points")
-        print("| pruner | runs reaching target | CPU s to target | wall s to target | wall vs the first, per seed "
-              "| CPU s whole sweep | median best | median pruned trials |")
+        print(
+            "| pruner | runs reaching target | CPU s to target | wall s to target | wall vs the first, per seed "
+            "| CPU s whole sweep | median best | median pruned trials |"
+        )
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         first = None
         for n, rs in results.items():
@@ -96,21 +129,31 @@ def report(results: dict[str, list[dict]], trials: int, seeds: int) -> None:
             cpu_to = [hit[1] if hit else r["cpu"] for hit, r in zip(reached, rs)]
             wall_to = [hit[0] if hit else r["wall"] for hit, r in zip(reached, rs)]
             first = first or wall_to
-            print(f"| {n} | {sum(h is not None for h in reached)}/{len(rs)} | {statistics.median(cpu_to):.1f} | "
-                  f"{statistics.median(wall_to):.1f} | {statistics.median(a / b for a, b in zip(wall_to, first)):.2f}x | "
-                  f"{statistics.median(r['cpu'] for r in rs):.1f} | "
-                  f"{statistics.median(max(v for *_, v in r['curve']) for r in rs):.4f} | "
-                  f"{statistics.median(r['pruned'] for r in rs):.0f} |")
+            print(
+                f"| {n} | {sum(h is not None for h in reached)}/{len(rs)} | {statistics.median(cpu_to):.1f} | "
+                f"{statistics.median(wall_to):.1f} | {statistics.median(a / b for a, b in zip(wall_to, first)):.2f}x | "
+                f"{statistics.median(r['cpu'] for r in rs):.1f} | "
+                f"{statistics.median(max(v for *_, v in r['curve']) for r in rs):.4f} | "
+                f"{statistics.median(r['pruned'] for r in rs):.0f} |"
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--space", default=str(ROOT / "search_spaces" / "digits_mlp.py"))
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
-    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="names from CANDIDATES, comma-separated")
-    parser.add_argument("--save", help="write the raw curves here (JSON); --load reports them again")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"
+    )
+    parser.add_argument(
+        "--candidates", default=",".join(CANDIDATES), help="names from CANDIDATES, comma-separated"
+    )
+    parser.add_argument(
+        "--save", help="write the raw curves here (JSON); --load reports them again"
+    )
     parser.add_argument("--load", help="report curves saved with --save instead of running")
     ns = parser.parse_args()
     if ns.load:
@@ -124,14 +167,19 @@ def main() -> None:
                 out = Path(tmp) / f"{len(results[n])}-{seed}-{time.monotonic_ns()}"
                 results[n].append(run_one(Path(ns.space), CANDIDATES[n], seed, ns.trials, out))
                 r = results[n][-1]
-                print(f"  seed {seed} {n:<28} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, best "
-                      f"{max((v for *_, v in r['curve']), default=float('nan')):.4f}, pruned {r['pruned']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  seed {seed} {n:<28} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, best "
+                    f"{max((v for *_, v in r['curve']), default=float('nan')):.4f}, pruned {r['pruned']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if ns.save:
         Path(ns.save).write_text(json.dumps(results))
     report(results, ns.trials, ns.seeds)
-    print(f"\nreproduce: python bench/pruner_settings.py --trials {ns.trials} --seeds {ns.seeds} "
-          f"--first-seed {ns.first_seed} --candidates {ns.candidates!r}")
+    print(
+        f"\nreproduce: python bench/pruner_settings.py --trials {ns.trials} --seeds {ns.seeds} "
+        f"--first-seed {ns.first_seed} --candidates {ns.candidates!r}"
+    )
 
 
 if __name__ == "__main__":

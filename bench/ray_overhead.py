@@ -17,6 +17,7 @@ All sides share one local Ray instance and run N trials with the same Tune setti
 Each side runs with ``reuse_actors`` off and on. Prints seconds per trial (wall time of the whole
 search / N), the time spent inside the trial function, and hpsweep / torch peer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SPACE = '''
+SPACE = """
 import torch
 import hpsweep
 
@@ -49,7 +50,7 @@ space = {"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}
 args = hpsweep.TrainingArguments(output_dir="unused", num_train_epochs=1, per_device_train_batch_size=1,
                                  per_device_eval_batch_size=1, save_strategy="epoch", logging_strategy="no",
                                  disable_progress=True)
-'''
+"""
 
 
 def trivial_trainable(config: dict) -> None:
@@ -63,7 +64,8 @@ def torch_trainable(config: dict) -> None:
     import torch
     from ray import tune
 
-    start = time.perf_counter()  # after the imports, like hpsweep's trial.json duration (its runner arrives with torch)
+    # after the imports, like hpsweep's trial.json duration (its runner arrives with torch)
+    start = time.perf_counter()
 
     class One(torch.nn.Module):
         def __init__(self):
@@ -83,24 +85,48 @@ def torch_trainable(config: dict) -> None:
         optimizer.zero_grad()
     model.eval()
     with torch.no_grad():
-        losses = [model(x, y)["loss"].item() for x, y in torch.utils.data.DataLoader(data, batch_size=1)]
+        losses = [
+            model(x, y)["loss"].item() for x, y in torch.utils.data.DataLoader(data, batch_size=1)
+        ]
     eval_loss = sum(losses) / len(losses)
     with tempfile.TemporaryDirectory() as folder:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                   os.path.join(folder, "checkpoint.pt"))
-        tune.report({"eval_loss": eval_loss, "objective": eval_loss, "inside_s": time.perf_counter() - start},
-                    checkpoint=tune.Checkpoint.from_directory(folder))
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            os.path.join(folder, "checkpoint.pt"),
+        )
+        tune.report(
+            {
+                "eval_loss": eval_loss,
+                "objective": eval_loss,
+                "inside_s": time.perf_counter() - start,
+            },
+            checkpoint=tune.Checkpoint.from_directory(folder),
+        )
 
 
-def bare(trainable, n: int, concurrency: int, storage: Path, reuse: bool) -> tuple[float, float | None]:
+def bare(
+    trainable, n: int, concurrency: int, storage: Path, reuse: bool
+) -> tuple[float, float | None]:
     from ray import tune
 
     name = f"{trainable.__name__}-{reuse}-{time.monotonic_ns()}"
-    tuner = tune.Tuner(trainable, param_space={"learning_rate": tune.loguniform(1e-3, 1e-1)},
-                       tune_config=tune.TuneConfig(num_samples=n, max_concurrent_trials=concurrency,
-                                                   metric="objective", mode="min", reuse_actors=reuse),
-                       run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
-                                                 checkpoint_config=tune.CheckpointConfig(num_to_keep=2)))
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"learning_rate": tune.loguniform(1e-3, 1e-1)},
+        tune_config=tune.TuneConfig(
+            num_samples=n,
+            max_concurrent_trials=concurrency,
+            metric="objective",
+            mode="min",
+            reuse_actors=reuse,
+        ),
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=str(storage),
+            verbose=0,
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+        ),
+    )
     start = time.perf_counter()
     results = tuner.fit()
     per_trial = (time.perf_counter() - start) / n
@@ -117,11 +143,21 @@ def ours(n: int, concurrency: int, folder: Path, reuse: bool) -> tuple[float, fl
     space.write_text(SPACE)
     out = folder / "hpsweep-out"
     start = time.perf_counter()
-    hpsweep.run(space, backend="ray", n_trials=n, n_jobs=concurrency, output_dir=out, sampler="random",
-                show_progress=False, reuse_actors=reuse)
+    hpsweep.run(
+        space,
+        backend="ray",
+        n_trials=n,
+        n_jobs=concurrency,
+        output_dir=out,
+        sampler="random",
+        show_progress=False,
+        reuse_actors=reuse,
+    )
     per_trial = (time.perf_counter() - start) / n
     records = runs.read_trials(out)
-    assert len(records) == n and all(r.state == "complete" for r in records), [r.state for r in records]
+    assert len(records) == n and all(r.state == "complete" for r in records), [
+        r.state for r in records
+    ]
     return per_trial, statistics.mean(r.duration_s for r in records)
 
 
@@ -132,14 +168,22 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
     ns = parser.parse_args()
 
-    from hpsweep.backends._ray_cluster import QUIET_ENV as _QUIET_ENV, WORKER_ENV
+    from hpsweep.backends._ray_cluster import QUIET_ENV as _QUIET_ENV
+    from hpsweep.backends._ray_cluster import WORKER_ENV
 
     for key, value in _QUIET_ENV.items():  # the same environment for every side
         os.environ.setdefault(key, value)
     import ray
 
-    ray.init(address="local", num_cpus=ns.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.ERROR, log_to_driver=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+    ray.init(
+        address="local",
+        num_cpus=ns.cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+    )
     rows: dict[tuple[str, bool], tuple[float, float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="hpbench") as tmp:
         folder = Path(tmp)
@@ -148,24 +192,37 @@ def main() -> None:
         bare(torch_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
         ours(2, ns.concurrency, folder / "warm-ours", reuse=False)
         for reuse in (False, True):
-            rows["trivial", reuse] = bare(trivial_trainable, ns.trials, ns.concurrency, folder / "ray", reuse)
-            rows["torch", reuse] = bare(torch_trainable, ns.trials, ns.concurrency, folder / "ray", reuse)
-            rows["hpsweep", reuse] = ours(ns.trials, ns.concurrency, folder / f"ours-{reuse}", reuse)
+            rows["trivial", reuse] = bare(
+                trivial_trainable, ns.trials, ns.concurrency, folder / "ray", reuse
+            )
+            rows["torch", reuse] = bare(
+                torch_trainable, ns.trials, ns.concurrency, folder / "ray", reuse
+            )
+            rows["hpsweep", reuse] = ours(
+                ns.trials, ns.concurrency, folder / f"ours-{reuse}", reuse
+            )
     ray.shutdown()
 
     print(f"trials={ns.trials} concurrency={ns.concurrency} cpus={ns.cpus} ray={ray.__version__}")
     print(f"{'':44} {'reuse_actors=False':>20} {'reuse_actors=True':>20}")
-    labels = {"trivial": "Ray's own cost (trivial trainable), s/trial", "torch": "bare torch trainable, s/trial",
-              "hpsweep": "hpsweep --backend ray, s/trial"}
+    labels = {
+        "trivial": "Ray's own cost (trivial trainable), s/trial",
+        "torch": "bare torch trainable, s/trial",
+        "hpsweep": "hpsweep --backend ray, s/trial",
+    }
     for side, label in labels.items():
         print(f"{label:44} {rows[side, False][0]:>20.3f} {rows[side, True][0]:>20.3f}")
     ratio = [rows["hpsweep", r][0] / rows["torch", r][0] for r in (False, True)]
     print(f"{'ratio hpsweep / bare torch trainable':44} {ratio[0]:>20.2f} {ratio[1]:>20.2f}")
     for side in ("torch", "hpsweep"):
         inside = [rows[side, r][1] for r in (False, True)]
-        print(f"{'inside the trial function, s (' + side + ')':44} {inside[0]:>20.3f} {inside[1]:>20.3f}")
-    print("(s/trial: wall time of the whole search / trials; inside: mean time in the trial function after its "
-          "imports; hpsweep's from trial.json, so without the best/ promotion)")
+        print(
+            f"{'inside the trial function, s (' + side + ')':44} {inside[0]:>20.3f} {inside[1]:>20.3f}"
+        )
+    print(
+        "(s/trial: wall time of the whole search / trials; inside: mean time in the trial function after its "
+        "imports; hpsweep's from trial.json, so without the best/ promotion)"
+    )
     sys.exit(0)
 
 

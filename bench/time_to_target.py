@@ -30,6 +30,7 @@ marked with the number that reached it. Wall and CPU seconds (the process tree's
 time; steadier than wall time on a shared machine) are both reported, as medians over seeds and
 as ratios to hpsweep's time in the same seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 CONTENDERS = ("hpsweep", "hpsweep-jobs2", "hf", "ray-asha", "optuna", "optuna-fused")
 
-HEADER = '''
+HEADER = """
 import json, sys, time
 sys.path.insert(0, {bench!r})
 import torch
@@ -58,9 +59,9 @@ TASK = _tasks.get({task!r})
 def record(acc):
     with open({results!r}, "a") as f:
         f.write(json.dumps({{"t": time.time(), "acc": acc}}) + "\\n")
-'''
+"""
 
-SPACE_FILE = '''
+SPACE_FILE = """
 import sys
 sys.path.insert(0, {bench!r})
 import hpsweep, _tasks
@@ -78,9 +79,9 @@ space = {{n: hpsweep.Float(s[0], s[1], log=s[2]) if k == "float" else hpsweep.In
          if k == "int" else hpsweep.Categorical(s[0]) for n, (k, *s) in TASK.space.items()}}
 args = hpsweep.TrainingArguments(output_dir="unused", per_device_eval_batch_size=256)
 objective, direction = "eval_accuracy", "maximize"
-'''
+"""
 
-OPTUNA = '''
+OPTUNA = """
 import optuna
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -98,9 +99,9 @@ def objective(trial):
 study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed={seed}),
                             pruner=optuna.pruners.MedianPruner())
 study.optimize(objective, n_trials={trials})
-'''
+"""
 
-HF = '''
+HF = """
 import optuna
 from transformers import Trainer, TrainerCallback, TrainingArguments
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -134,9 +135,9 @@ trainer = Trainer(model_init=model_init, args=args, train_dataset=_tasks.dataset
 trainer.hyperparameter_search(hp_space=hp_space, n_trials={trials}, direction="maximize", backend="optuna",
                               compute_objective=lambda m: m["eval_accuracy"],
                               sampler=optuna.samplers.TPESampler(seed={seed}))
-'''
+"""
 
-RAY = '''
+RAY = """
 import logging, os
 import ray
 from ray import tune
@@ -169,25 +170,48 @@ tuner = tune.Tuner(trainable, param_space={{n: domain(*s) for n, s in TASK.space
                                                search_alg=tune.search.BasicVariantGenerator(random_state={seed})),
                    run_config=tune.RunConfig(storage_path={out!r}, verbose=0))
 tuner.fit()
-'''
+"""
 
 
 def run(contender: str, task: str, seed: int, trials: int, work: Path) -> dict:
     out = work / f"{contender}-{task}-{seed}"
     out.mkdir(parents=True)
     results = out / "results.jsonl"
-    fmt = {"bench": str(BENCH), "task": task, "results": str(results), "seed": seed, "trials": trials,
-           "out": str(out / "run"), "fused": contender == "optuna-fused" or None}
+    fmt = {
+        "bench": str(BENCH),
+        "task": task,
+        "results": str(results),
+        "seed": seed,
+        "trials": trials,
+        "out": str(out / "run"),
+        "fused": contender == "optuna-fused" or None,
+    }
     # One torch thread everywhere: this compares searches and per-trial costs; what torch's default
     # thread count does to parallel trials is bench/threads.py's subject.
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_DEDUP_LOGS": "0",
+    }
     if contender.startswith("hpsweep"):
         space = ROOT / "search_spaces" / "digits_mlp.py" if task == "digits" else out / "space.py"
         if task != "digits":
             space.write_text(SPACE_FILE.format(**fmt))
-        cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", str(trials), "--seed", str(seed),
-               "--output-dir", str(out / "run")] + (["--n-jobs", "2"] if contender == "hpsweep-jobs2" else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "hpsweep.cli",
+            "run",
+            str(space),
+            "--n-trials",
+            str(trials),
+            "--seed",
+            str(seed),
+            "--output-dir",
+            str(out / "run"),
+        ] + (["--n-jobs", "2"] if contender == "hpsweep-jobs2" else [])
     else:
         body = {"optuna": OPTUNA, "optuna-fused": OPTUNA, "hf": HF, "ray-asha": RAY}[contender]
         cmd = [sys.executable, "-c", (HEADER + body).format(**fmt)]
@@ -196,12 +220,19 @@ def run(contender: str, task: str, seed: int, trials: int, work: Path) -> dict:
         raise SystemExit(f"{contender} on {task}, seed {seed} failed:\n{r.stderr[-4000:]}")
     if contender.startswith("hpsweep"):
         records = [json.loads(p.read_text()) for p in (out / "run").glob("*/trial.json")]
-        done = [(rec["finished_at"], rec["objective"]) for rec in records if rec["state"] == "complete"]
+        done = [
+            (rec["finished_at"], rec["objective"]) for rec in records if rec["state"] == "complete"
+        ]
     else:
         done = [(row["t"], row["acc"]) for row in map(json.loads, results.read_text().splitlines())]
     done.sort()
-    return {"seed": seed, "wall": r.end - r.start, "cpu": r.cpu, "finished": len(done),
-            "curve": [(t - r.start, r.cpu_at(t), acc) for t, acc in done]}
+    return {
+        "seed": seed,
+        "wall": r.end - r.start,
+        "cpu": r.cpu,
+        "finished": len(done),
+        "curve": [(t - r.start, r.cpu_at(t), acc) for t, acc in done],
+    }
 
 
 def summarise(task: str, results: dict[str, list[dict]], trials: int) -> str:
@@ -209,16 +240,19 @@ def summarise(task: str, results: dict[str, list[dict]], trials: int) -> str:
     rarely reach), and the median run's best less 0.5 points ("a good accuracy": what a typical run
     of any contender reaches)."""
     best = max(acc for runs in results.values() for r in runs for *_, acc in r["curve"])
-    typical = statistics.median(max((a for *_, a in r["curve"]), default=0.0)
-                                for runs in results.values() for r in runs)
+    typical = statistics.median(
+        max((a for *_, a in r["curve"]), default=0.0) for runs in results.values() for r in runs
+    )
     lines = [f"\n### {task}: {trials} trials per run"]
     for label, top in (("best of all runs", best), ("median run's best", typical)):
         target = top - 0.005
-        lines += [f"\ntarget {target:.4f} = {label} ({top:.4f}) less 0.5 points\n",
-                  "| contender | runs reaching target | median wall s to target | wall vs hpsweep "
-                  "| median CPU s to target | CPU vs hpsweep | first to the target, seeds | median best "
-                  "| median finished trials |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            f"\ntarget {target:.4f} = {label} ({top:.4f}) less 0.5 points\n",
+            "| contender | runs reaching target | median wall s to target | wall vs hpsweep "
+            "| median CPU s to target | CPU vs hpsweep | first to the target, seeds | median best "
+            "| median finished trials |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         to_target = {name: _per_seed(runs, target) for name, runs in results.items()}
         base_w, base_c, _, _ = to_target.get("hpsweep", next(iter(to_target.values())))
         first = _firsts(results, target)
@@ -226,10 +260,12 @@ def summarise(task: str, results: dict[str, list[dict]], trials: int) -> str:
             w, c, reached, _ = to_target[name]
             rw = statistics.median(a / b for a, b in zip(w, base_w))
             rc = statistics.median(a / b for a, b in zip(c, base_c))
-            lines.append(f"| {name} | {reached}/{len(w)} | {statistics.median(w):.1f} | {rw:.2f}x | "
-                         f"{statistics.median(c):.1f} | {rc:.2f}x | {first.count(name)} | "
-                         f"{statistics.median(max((a for *_, a in r['curve']), default=0) for r in runs):.4f} | "
-                         f"{statistics.median(r['finished'] for r in runs):.0f} |")
+            lines.append(
+                f"| {name} | {reached}/{len(w)} | {statistics.median(w):.1f} | {rw:.2f}x | "
+                f"{statistics.median(c):.1f} | {rc:.2f}x | {first.count(name)} | "
+                f"{statistics.median(max((a for *_, a in r['curve']), default=0) for r in runs):.4f} | "
+                f"{statistics.median(r['finished'] for r in runs):.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -241,7 +277,9 @@ def _per_seed(runs: list[dict], target: float) -> tuple[list[float], list[float]
     by_seed: dict[Any, list[tuple[float, float, bool]]] = {}
     for i, r in enumerate(runs):
         hit = next(((w, c) for w, c, acc in r["curve"] if acc >= target), None)
-        by_seed.setdefault(r.get("seed", f"#{i}"), []).append((hit or (r["wall"], r["cpu"])) + (hit is not None,))
+        by_seed.setdefault(r.get("seed", f"#{i}"), []).append(
+            (hit or (r["wall"], r["cpu"])) + (hit is not None,)
+        )
     walls = [statistics.median(w for w, _, _ in reps) for reps in by_seed.values()]
     cpus = [statistics.median(c for _, c, _ in reps) for reps in by_seed.values()]
     got = [2 * sum(ok for *_, ok in reps) > len(reps) for reps in by_seed.values()]
@@ -270,23 +308,37 @@ def warm_up(contenders: list[str], tasks: list[str], work: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="digits only, 2 seeds, 12 trials")
     parser.add_argument("--tasks", default="digits,shapes")
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"
+    )
     parser.add_argument("--trials", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run every (contender, seed) this many times, interleaved; a seed's time is their median")
-    parser.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "optuna-fused"))
-    parser.add_argument("--plot", default=str(BENCH / "time_to_target.png"), help="PNG of the best-so-far curves")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every (contender, seed) this many times, interleaved; a seed's time is their median",
+    )
+    parser.add_argument(
+        "--contenders", default=",".join(c for c in CONTENDERS if c != "optuna-fused")
+    )
+    parser.add_argument(
+        "--plot", default=str(BENCH / "time_to_target.png"), help="PNG of the best-so-far curves"
+    )
     parser.add_argument("--save", help="write the raw curves here (JSON)")
     parser.add_argument("--load", help="report curves saved with --save instead of running")
     ns = parser.parse_args()
     if ns.quick:
         ns.tasks, ns.seeds, ns.trials = "digits", 2, 12
     contenders = ns.contenders.split(",")
-    all_results: dict[str, dict[str, list[dict]]] = json.loads(Path(ns.load).read_text()) if ns.load else {}
+    all_results: dict[str, dict[str, list[dict]]] = (
+        json.loads(Path(ns.load).read_text()) if ns.load else {}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         if not ns.load:
             warm_up(contenders, ns.tasks.split(","), Path(tmp) / "warm-up")
@@ -297,9 +349,12 @@ def main() -> None:
                     for c in contenders:
                         r = run(c, task, seed, ns.trials, Path(tmp) / f"repeat-{repeat}")
                         all_results[task][c].append(r)
-                        print(f"  {task} seed {seed} {c:<14} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, "
-                              f"{r['finished']} finished, best {max((a for *_, a in r['curve']), default=0):.4f}",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"  {task} seed {seed} {c:<14} {r['wall']:6.1f} s wall {r['cpu']:6.1f} s CPU, "
+                            f"{r['finished']} finished, best {max((a for *_, a in r['curve']), default=0):.4f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     if ns.save:
         Path(ns.save).write_text(json.dumps(all_results))
     for task, results in all_results.items():
@@ -309,7 +364,9 @@ def main() -> None:
     flags += f" --first-seed {ns.first_seed}" if ns.first_seed else ""
     flags += f" --repeats {ns.repeats}" if ns.repeats > 1 else ""
     flags = f"--load {ns.load} --trials {ns.trials}" if ns.load else flags
-    print(f"\nplot: {ns.plot}\nreproduce: python bench/time_to_target.py {flags} --contenders {ns.contenders}")
+    print(
+        f"\nplot: {ns.plot}\nreproduce: python bench/time_to_target.py {flags} --contenders {ns.contenders}"
+    )
 
 
 def plot(all_results: dict[str, dict[str, list[dict]]], path: Path) -> None:
@@ -322,7 +379,9 @@ def plot(all_results: dict[str, dict[str, list[dict]]], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, len(all_results), figsize=(6.5 * len(all_results), 4.5), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(all_results), figsize=(6.5 * len(all_results), 4.5), squeeze=False
+    )
     for ax, (task, results) in zip(axes[0], all_results.items()):
         for i, (name, runs) in enumerate(results.items()):
             for j, r in enumerate(runs):
@@ -331,12 +390,27 @@ def plot(all_results: dict[str, dict[str, list[dict]]], path: Path) -> None:
                     best = max(best, acc)
                     xs.append(w)
                     ys.append(best)
-                ax.step(xs, ys, where="post", color=f"C{i}", alpha=0.7, label=name if j == 0 else None)
+                ax.step(
+                    xs, ys, where="post", color=f"C{i}", alpha=0.7, label=name if j == 0 else None
+                )
         top = max(a for runs in results.values() for r in runs for *_, a in r["curve"])
-        typical = statistics.median(max((a for *_, a in r["curve"]), default=0.0)
-                                    for runs in results.values() for r in runs)
-        ax.axhline(top - 0.005, color="grey", linestyle="--", linewidth=1, label="target: best of all less 0.5")
-        ax.axhline(typical - 0.005, color="grey", linestyle=":", linewidth=1, label="target: median best less 0.5")
+        typical = statistics.median(
+            max((a for *_, a in r["curve"]), default=0.0) for runs in results.values() for r in runs
+        )
+        ax.axhline(
+            top - 0.005,
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label="target: best of all less 0.5",
+        )
+        ax.axhline(
+            typical - 0.005,
+            color="grey",
+            linestyle=":",
+            linewidth=1,
+            label="target: median best less 0.5",
+        )
         ax.set_ylim(top - 0.08, top + 0.005)
         ax.set_title(f"{task}: best accuracy so far")
         ax.set_xlabel("wall seconds since the process started")

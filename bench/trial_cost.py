@@ -24,6 +24,7 @@ end of trial 0 to the end of trial 9 (9 trials, no process start, no imports), p
 Reported: per-trial milliseconds (median over seeds and rounds) and each variant's ratio to
 hpsweep, taken per (round, seed) and then the median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TRIALS = 10  # TPE's random start-up: the same params in every variant
 
-HAND = '''
+HAND = """
 import json, os, random, sys, time
 sys.path.insert(0, {bench!r})
 import numpy as np, torch, optuna, _tasks
@@ -79,7 +80,7 @@ study = optuna.create_study(direction="maximize", storage=storage, sampler=optun
 study.optimize(objective, n_trials={trials})
 with open(f"{{OUT}}/rows.json", "w") as f:
     json.dump(rows, f)
-'''
+"""
 
 
 def run(variant: str, seed: int, work: Path, base: str | None) -> list[dict]:
@@ -90,20 +91,48 @@ def run(variant: str, seed: int, work: Path, base: str | None) -> list[dict]:
         tree = Path(base).resolve() if variant == "hpsweep-base" else ROOT
         env["PYTHONPATH"] = str(tree)
         compile_sources(tree)
-        cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(tree / "search_spaces" / "digits_mlp.py"),
-               "--n-trials", str(TRIALS), "--seed", str(seed), "--pruner", "none", "--output-dir", str(out)]
-        cmd += {"hpsweep-nosave": ["--set", "save_strategy=no"],
-                "hpsweep-model-only": ["--set", "save_only_model=true"]}.get(variant, [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "hpsweep.cli",
+            "run",
+            str(tree / "search_spaces" / "digits_mlp.py"),
+            "--n-trials",
+            str(TRIALS),
+            "--seed",
+            str(seed),
+            "--pruner",
+            "none",
+            "--output-dir",
+            str(out),
+        ]
+        cmd += {
+            "hpsweep-nosave": ["--set", "save_strategy=no"],
+            "hpsweep-model-only": ["--set", "save_only_model=true"],
+        }.get(variant, [])
     else:
         fused = None if variant == "hand" else True
-        cmd = [sys.executable, "-c", HAND.format(bench=str(BENCH), out=str(out), durable=variant == "hand-durable",
-                                                 fused=fused, seed=seed, trials=TRIALS)]
+        cmd = [
+            sys.executable,
+            "-c",
+            HAND.format(
+                bench=str(BENCH),
+                out=str(out),
+                durable=variant == "hand-durable",
+                fused=fused,
+                seed=seed,
+                trials=TRIALS,
+            ),
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise SystemExit(f"{variant}, seed {seed} failed:\n{proc.stderr[-4000:]}")
     if variant.startswith("hpsweep"):
         records = [json.loads(p.read_text()) for p in out.glob("run-*/trial.json")]
-        rows = [{"params": r["params"], "finished_at": r["finished_at"]} for r in sorted(records, key=lambda r: r["number"])]
+        rows = [
+            {"params": r["params"], "finished_at": r["finished_at"]}
+            for r in sorted(records, key=lambda r: r["number"])
+        ]
     else:
         rows = json.loads((out / "rows.json").read_text())
     shutil.rmtree(out)
@@ -111,12 +140,19 @@ def run(variant: str, seed: int, work: Path, base: str | None) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--variants", default="hpsweep,hpsweep-nosave,hand,hand-fused,hand-durable",
-                        help="comma-separated; ratios are to hpsweep")
-    parser.add_argument("--base", metavar="TREE", help="a checkout of an earlier hpsweep: adds hpsweep-base")
+    parser.add_argument(
+        "--variants",
+        default="hpsweep,hpsweep-nosave,hand,hand-fused,hand-durable",
+        help="comma-separated; ratios are to hpsweep",
+    )
+    parser.add_argument(
+        "--base", metavar="TREE", help="a checkout of an earlier hpsweep: adds hpsweep-base"
+    )
     ns = parser.parse_args()
     variants = ns.variants.split(",") + (["hpsweep-base"] if ns.base else [])
     per_trial: dict[str, list[float]] = {v: [] for v in variants}
@@ -126,24 +162,41 @@ def main() -> None:
                 params = None
                 for v in variants:
                     rows = run(v, seed, Path(tmp), ns.base)
-                    drawn = [{k: round(x, 9) if isinstance(x, float) else x for k, x in row["params"].items()}
-                             for row in rows]
+                    drawn = [
+                        {
+                            k: round(x, 9) if isinstance(x, float) else x
+                            for k, x in row["params"].items()
+                        }
+                        for row in rows
+                    ]
                     if params is not None and drawn != params:
-                        raise SystemExit(f"seed {seed}: {v} drew other params than {variants[0]}; the comparison "
-                                         "needs the same trials")
+                        raise SystemExit(
+                            f"seed {seed}: {v} drew other params than {variants[0]}; the comparison "
+                            "needs the same trials"
+                        )
                     params = drawn
-                    per_trial[v].append((rows[-1]["finished_at"] - rows[0]["finished_at"]) / (len(rows) - 1))
+                    per_trial[v].append(
+                        (rows[-1]["finished_at"] - rows[0]["finished_at"]) / (len(rows) - 1)
+                    )
                 line = "  ".join(f"{v} {1e3 * per_trial[v][-1]:6.1f}" for v in variants)
-                print(f"round {r + 1} seed {seed}: ms per trial  {line}", file=sys.stderr, flush=True)
-    print(f"\nms per trial, trials 1-9 of {TRIALS} (the same params everywhere), {ns.rounds} rounds x {ns.seeds} seeds")
+                print(
+                    f"round {r + 1} seed {seed}: ms per trial  {line}", file=sys.stderr, flush=True
+                )
+    print(
+        f"\nms per trial, trials 1-9 of {TRIALS} (the same params everywhere), {ns.rounds} rounds x {ns.seeds} seeds"
+    )
     print("| variant | median ms per trial | vs hpsweep (median of per-seed ratios) | min-max |")
     print("| --- | ---: | ---: | ---: |")
     for v in variants:
         ratios = [a / b for a, b in zip(per_trial[v], per_trial["hpsweep"])]
-        print(f"| {v} | {1e3 * statistics.median(per_trial[v]):.1f} | {statistics.median(ratios):.3f}x | "
-              f"{min(ratios):.2f}-{max(ratios):.2f} |")
+        print(
+            f"| {v} | {1e3 * statistics.median(per_trial[v]):.1f} | {statistics.median(ratios):.3f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} |"
+        )
     base = f" --base {ns.base}" if ns.base else ""
-    print(f"\nreproduce: python bench/trial_cost.py --rounds {ns.rounds} --seeds {ns.seeds} --variants {ns.variants}{base}")
+    print(
+        f"\nreproduce: python bench/trial_cost.py --rounds {ns.rounds} --seeds {ns.seeds} --variants {ns.variants}{base}"
+    )
 
 
 if __name__ == "__main__":

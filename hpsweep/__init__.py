@@ -1,12 +1,22 @@
 """hpsweep: hyperparameter search over PyTorch training, on Optuna, Ray Tune or W&B Sweeps."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from . import devices  # noqa: F401  first: the load a search's first trial measures runs from here (CoreShare)
 from .arguments import TrainingArguments
-from .callbacks import (EarlyStoppingCallback, EvalLoopOutput, EvalPrediction, MetricCallback, PredictionOutput,
-                        ProgressCallback, TrainerCallback, TrainerControl, TrainerState)
+from .callbacks import (
+    EarlyStoppingCallback,
+    EvalLoopOutput,
+    EvalPrediction,
+    MetricCallback,
+    PredictionOutput,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
 from .errors import TrialPruned, UserError
 from .runs import BestRun, TrialRecord
 from .space import Categorical, Float, Int
@@ -14,8 +24,13 @@ from .trial import Trial
 
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": ".trainer", "run": ".api", "SweepCallback": ".sweep",
-         "PushToHubCallback": ".integrations.hub", "MLflowTracker": ".integrations.mlflow"}
+_LAZY = {
+    "Trainer": ".trainer",
+    "run": ".api",
+    "SweepCallback": ".sweep",
+    "PushToHubCallback": ".integrations.hub",
+    "MLflowTracker": ".integrations.mlflow",
+}
 
 
 def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used
@@ -28,7 +43,26 @@ def __getattr__(name: str) -> Any:  # torch loads only when the trainer is used
     raise AttributeError(f"module 'hpsweep' has no attribute {name!r}")
 
 
-__all__ = ["BestRun", "Categorical", "EarlyStoppingCallback", "EvalLoopOutput", "EvalPrediction", "Float", "Int",
-           "MetricCallback", "PredictionOutput", "ProgressCallback", "SweepCallback", "Trainer", "TrainerCallback",
-           "TrainerControl", "TrainerState", "TrainingArguments", "Trial", "TrialPruned", "TrialRecord", "UserError",
-           "run"]
+__all__ = [
+    "BestRun",
+    "Categorical",
+    "EarlyStoppingCallback",
+    "EvalLoopOutput",
+    "EvalPrediction",
+    "Float",
+    "Int",
+    "MetricCallback",
+    "PredictionOutput",
+    "ProgressCallback",
+    "SweepCallback",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "TrainingArguments",
+    "Trial",
+    "TrialPruned",
+    "TrialRecord",
+    "UserError",
+    "run",
+]

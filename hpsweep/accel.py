@@ -3,6 +3,7 @@
 accelerate keeps its state per process; a process that trains several runs one after another
 (a sweep's worker) resets it so that each run gets its own precision and accumulation.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,18 +25,31 @@ def make_accelerator(args: Any) -> Any:
         AcceleratorState._reset_state()
         GradientState._reset_state()
     # torch_compile: accelerate compiles the model in prepare, as transformers has it do
-    dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode) \
-        if args.torch_compile else None
+    dynamo = (
+        TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        if args.torch_compile
+        else None
+    )
     try:
-        acc = Accelerator(mixed_precision=args.mixed_precision, cpu=args.use_cpu, dynamo_plugin=dynamo,
-                          gradient_accumulation_steps=args.gradient_accumulation_steps,
-                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed))
+        acc = Accelerator(
+            mixed_precision=args.mixed_precision,
+            cpu=args.use_cpu,
+            dynamo_plugin=dynamo,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, data_seed=args.data_seed
+            ),
+        )
     except ValueError as exc:
-        raise UserError(f"mixed_precision={args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU") from None
+        raise UserError(
+            f"mixed_precision={args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU"
+        ) from None
     if args.mixed_precision == "fp16" and acc.device.type == "cpu":
         # accelerate accepts it and trains in fp32 without saying so: a run the user did not ask for.
-        raise UserError("mixed_precision='fp16' (fp16=True) needs a CUDA GPU and this run is on the CPU; "
-                        "use bf16=True or no mixed precision on CPU")
+        raise UserError(
+            "mixed_precision='fp16' (fp16=True) needs a CUDA GPU and this run is on the CPU; "
+            "use bf16=True or no mixed precision on CPU"
+        )
     return acc
 
 

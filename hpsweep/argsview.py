@@ -1,5 +1,6 @@
 """What transformers' ``TrainingArguments`` offers besides its fields, for code written for it;
 `hpsweep.TrainingArguments` inherits it."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,11 @@ class TransformersView:
     def to_sanitized_dict(self) -> dict[str, Any]:
         """``to_dict`` with the batch sizes, every value a bool, number or string (transformers' form,
         for TensorBoard's hparams)."""
-        d = {**self.to_dict(), "train_batch_size": self.train_batch_size,  # type: ignore[attr-defined]
-             "eval_batch_size": self.eval_batch_size}
+        d = {
+            **self.to_dict(),
+            "train_batch_size": self.train_batch_size,  # type: ignore[attr-defined]
+            "eval_batch_size": self.eval_batch_size,
+        }
         return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in d.items()}
 
     @property

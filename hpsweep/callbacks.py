@@ -10,6 +10,7 @@ saved in every checkpoint's trainer_state.json and handed back on resume.
     ...         if metrics["eval_loss"] < 0.1:
     ...             control.should_training_stop = True
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,24 @@ from .errors import UserError, did_you_mean
 from .objective import SPEED_SUFFIXES
 
 EVENTS = (
-    "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_before_backward",
-    "on_after_backward", "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end",
-    "on_step_end", "on_evaluate", "on_prediction_step", "on_save", "on_log", "on_epoch_end", "on_exception",
-    "on_train_end", "on_predict",
+    "on_init_end",
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_before_backward",
+    "on_after_backward",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_substep_end",
+    "on_step_end",
+    "on_evaluate",
+    "on_prediction_step",
+    "on_save",
+    "on_log",
+    "on_epoch_end",
+    "on_exception",
+    "on_train_end",
+    "on_predict",
 )
 #: Other names an event answers to: hpsweep 0.1 called transformers' on_pre_optimizer_step so.
 ALIASES = {"on_pre_optimizer_step": ("on_before_optimizer_step",)}
@@ -104,7 +119,8 @@ class TrainerState:
             return {}
         chosen = evals[-1]
         if best and self.best_model_checkpoint:
-            step = int(Path(self.best_model_checkpoint).name.rpartition("-")[2])  # checkpoint-<step>
+            # checkpoint-<step>
+            step = int(Path(self.best_model_checkpoint).name.rpartition("-")[2])
             chosen = next((h for h in reversed(evals) if h["step"] == step), chosen)
         return {k: v for k, v in chosen.items() if k not in ("epoch", "step")}
 
@@ -162,7 +178,9 @@ class TrainerCallback:
         """Restore what `state_dict` returned."""
 
 
-def _noop(self: TrainerCallback, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+def _noop(
+    self: TrainerCallback, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+) -> None:
     return None
 
 
@@ -174,20 +192,29 @@ def _overrides(callback: Any, event: str) -> bool:
     """Whether ``callback``'s class defines ``event`` beyond a base class's no-op (ours, or that of
     transformers' ``TrainerCallback``, which a callback written for transformers subclasses)."""
     method = getattr(type(callback), event, _noop)
-    return method is not _noop and not (getattr(method, "__module__", None) == "transformers.trainer_callback"
-                                        and method.__qualname__ == f"TrainerCallback.{event}")
+    return method is not _noop and not (
+        getattr(method, "__module__", None) == "transformers.trainer_callback"
+        and method.__qualname__ == f"TrainerCallback.{event}"
+    )
 
 
 class CallbackHandler:
     """Calls an event on every callback in order; skips callbacks that do not override it."""
 
-    def __init__(self, callbacks: Sequence[TrainerCallback],
-                 context: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        callbacks: Sequence[TrainerCallback],
+        context: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
         self.callbacks = list(callbacks)
         self._context = context  # what every event hands its callbacks besides its own keywords
         self._listeners = {
-            event: [getattr(cb, name) for cb in self.callbacks for name in (event, *ALIASES.get(event, ()))
-                    if _overrides(cb, name)]
+            event: [
+                getattr(cb, name)
+                for cb in self.callbacks
+                for name in (event, *ALIASES.get(event, ()))
+                if _overrides(cb, name)
+            ]
             for event in EVENTS
         }
 
@@ -207,11 +234,18 @@ class CallbackHandler:
 
     def reads_checkpoints(self) -> bool:
         """Whether a callback's `on_save` may read the checkpoint folder (so it must be on disk)."""
-        return any(getattr(cb, "reads_checkpoints", True) for cb in self.callbacks if _overrides(cb, "on_save"))
+        return any(
+            getattr(cb, "reads_checkpoints", True)
+            for cb in self.callbacks
+            if _overrides(cb, "on_save")
+        )
 
-    def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def fire(
+        self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         if event == "on_evaluate":
-            state.num_evaluations += 1  # counted where callbacks hear of it: an evaluate override's too
+            # counted where callbacks hear of it: an evaluate override's too
+            state.num_evaluations += 1
         listeners = self._listeners[event]
         if listeners and self._context is not None:
             kwargs = {**self._context(), **kwargs}
@@ -226,8 +260,11 @@ class CallbackHandler:
         by_class: dict[str, list] = {}
         for cb in self.callbacks:
             by_class.setdefault(type(cb).__name__, []).append(_state(cb))
-        return {name: states if len(states) > 1 else states[0]
-                for name, states in by_class.items() if any(state is not None for state in states)}
+        return {
+            name: states if len(states) > 1 else states[0]
+            for name, states in by_class.items()
+            if any(state is not None for state in states)
+        }
 
     def load_state_dicts(self, states: Mapping[str, Any]) -> None:
         seen: dict[str, int] = {}
@@ -256,7 +293,9 @@ def _adopt(control: TrainerControl, returned: Any) -> None:
 
 def _is_exportable(callback: Any) -> bool:
     """Whether ``callback`` is a transformers ``ExportableState`` (``state()`` and ``from_state``)."""
-    return callable(getattr(callback, "state", None)) and callable(getattr(type(callback), "from_state", None))
+    return callable(getattr(callback, "state", None)) and callable(
+        getattr(type(callback), "from_state", None)
+    )
 
 
 def _state(callback: Any) -> dict[str, Any] | None:
@@ -275,8 +314,15 @@ def _state(callback: Any) -> dict[str, Any] | None:
 def _event_method(event: str, *positional: str) -> Callable[..., TrainerControl]:
     """``handler.<event>(args, state, control, ...)``, as transformers' handler takes it (its
     ``on_evaluate`` and ``on_predict`` take ``metrics``, its ``on_log`` ``logs``, by position)."""
-    def call(self: CallbackHandler, args: Any, state: TrainerState, control: TrainerControl, *values: Any,
-             **kwargs: Any) -> TrainerControl:
+
+    def call(
+        self: CallbackHandler,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        *values: Any,
+        **kwargs: Any,
+    ) -> TrainerControl:
         return self.fire(event, args, state, control, **dict(zip(positional, values)), **kwargs)
 
     call.__name__ = call.__qualname__ = event
@@ -291,6 +337,7 @@ for _event in EVENTS:
 
 # --- built-in callbacks -----------------------------------------------------------------------------
 
+
 class EarlyStoppingCallback(TrainerCallback):
     """Stop training when ``metric_for_best_model`` has not improved for ``patience`` evaluations
     of the same run: each run (each trial of a sweep) starts afresh, a resumed one where it stopped.
@@ -300,18 +347,30 @@ class EarlyStoppingCallback(TrainerCallback):
         early_stopping_threshold: the least change that counts as an improvement.
     """
 
-    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0) -> None:
+    def __init__(
+        self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0
+    ) -> None:
         self.patience = early_stopping_patience
         self.threshold = early_stopping_threshold
         self.bad_evaluations = 0
         self.best: float | None = None
 
-    def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if state.global_step == 0:  # a new run (a sweep's trials share this instance); a resume restored its state
+    def on_train_begin(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # a new run (a sweep's trials share this instance); a resume restored its state
+        if state.global_step == 0:
             self.bad_evaluations, self.best = 0, None
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
-                    **kwargs: Any) -> None:
+    def on_evaluate(
+        self,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        metrics: Mapping[str, float],
+        **kwargs: Any,
+    ) -> None:
         name = args.metric_for_best_model or "eval_loss"
         value = metric_value(metrics, name, "metric_for_best_model")
         sign = 1 if args.greater_is_better else -1
@@ -345,19 +404,32 @@ class MetricCallback(TrainerCallback):
         self.metric_fn = metric_fn
         self.name = name or getattr(metric_fn, "__name__", "metric")
 
-    def metrics(self, eval_prediction: EvalPrediction | Mapping[str, EvalPrediction | None] | None,
-                metric_key_prefix: str = "eval") -> dict[str, float]:
+    def metrics(
+        self,
+        eval_prediction: EvalPrediction | Mapping[str, EvalPrediction | None] | None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
         """The metric of an evaluation's predictions, which `Trainer.evaluate` adds to its metrics
         before it logs them and announces them (``on_evaluate``): every callback sees it."""
         name = self.name.removeprefix("eval_")
         metrics = {}
         # several eval datasets: a prediction per dataset, and the metric of each (eval_<dataset>_<name>)
-        parts = eval_prediction.items() if isinstance(eval_prediction, Mapping) else [(None, eval_prediction)]
+        parts = (
+            eval_prediction.items()
+            if isinstance(eval_prediction, Mapping)
+            else [(None, eval_prediction)]
+        )
         for dataset, prediction in parts:
             if prediction is None:
-                raise UserError(f"MetricCallback({self.name!r}) needs predictions, but the model's output has no "
-                                "logits; return {'loss': ..., 'logits': ...} from forward")
-            key = f"{metric_key_prefix}_{dataset}_{name}" if dataset is not None else f"{metric_key_prefix}_{name}"
+                raise UserError(
+                    f"MetricCallback({self.name!r}) needs predictions, but the model's output has no "
+                    "logits; return {'loss': ..., 'logits': ...} from forward"
+                )
+            key = (
+                f"{metric_key_prefix}_{dataset}_{name}"
+                if dataset is not None
+                else f"{metric_key_prefix}_{name}"
+            )
             metrics[key] = float(self.metric_fn(prediction.predictions, prediction.label_ids))
         return metrics
 
@@ -382,8 +454,15 @@ class TrialReporter(TrainerCallback):
         self.reads_checkpoints = getattr(trial, "reads_checkpoints", True)
         self._pending: tuple[int, dict[str, float], Any, bool] | None = None
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, *, metrics: Mapping[str, float],
-                    **kwargs: Any) -> None:
+    def on_evaluate(
+        self,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        metrics: Mapping[str, float],
+        **kwargs: Any,
+    ) -> None:
         # The last evaluation: training reached max_steps, or stops after this evaluation anyway
         # (an earlier callback such as early stopping said so), or runs after training ended.
         last = control.should_training_stop or state.global_step >= state.max_steps
@@ -391,9 +470,18 @@ class TrialReporter(TrainerCallback):
         if not (control.should_save and self.reads_checkpoints):
             self._deliver(control, None)
             if self.pruned:
-                control.should_save = False  # the pruned evaluation's checkpoint would never be read
+                # the pruned evaluation's checkpoint would never be read
+                control.should_save = False
 
-    def on_save(self, args: Any, state: TrainerState, control: TrainerControl, *, checkpoint: str, **kwargs: Any) -> None:
+    def on_save(
+        self,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        checkpoint: str,
+        **kwargs: Any,
+    ) -> None:
         if self._pending is not None:
             self._deliver(control, checkpoint)
 
@@ -412,25 +500,59 @@ class ProgressCallback(TrainerCallback):
     def __init__(self) -> None:
         self._progress: Any = None
 
-    def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def on_train_begin(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         # redrawn at 2 Hz: rich's 10 Hz takes ~0.7% of a core from training in a terminal
-        self._progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                  TextColumn("{task.fields[info]}"), transient=True, refresh_per_second=2)
-        self._task = self._progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+        self._progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=True,
+            refresh_per_second=2,
+        )
+        self._task = self._progress.add_task(
+            "train", total=state.max_steps, completed=state.global_step, info=""
+        )
         self._progress.start()
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._progress.update(self._task, completed=state.global_step)
 
-    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, *, logs: Mapping[str, float],
-               **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        logs: Mapping[str, float],
+        **kwargs: Any,
+    ) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, info=" ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)
-                                                            and k != "epoch" and not k.endswith(SPEED_SUFFIXES)))
+            self._progress.update(
+                self._task,
+                info=" ".join(
+                    f"{k}={v:.4g}"
+                    for k, v in logs.items()
+                    if isinstance(v, float) and k != "epoch" and not k.endswith(SPEED_SUFFIXES)
+                ),
+            )
 
-    def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -441,8 +563,10 @@ class ProgressCallback(TrainerCallback):
 def metric_value(metrics: Mapping[str, float], name: str, what: str = "objective") -> float:
     """``metrics[name]`` as a float, or a `UserError` listing the metrics there are."""
     if name not in metrics:
-        raise UserError(f"{what} {name!r} is not among the evaluation's metrics ({', '.join(sorted(metrics))})"
-                        f"{did_you_mean(name, metrics)}; name one of them, or add it with compute_metrics")
+        raise UserError(
+            f"{what} {name!r} is not among the evaluation's metrics ({', '.join(sorted(metrics))})"
+            f"{did_you_mean(name, metrics)}; name one of them, or add it with compute_metrics"
+        )
     value = float(metrics[name])
     if math.isnan(value):
         raise ValueError(f"{name} is NaN")

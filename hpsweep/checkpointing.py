@@ -5,6 +5,7 @@ atomic writing live in `hpsweep.runs`; this mixin hands them the trainer's state
 `Checkpointing` is a mixin of `Trainer`, as `Evaluation` is: it reads the trainer's ``args``,
 ``state``, ``accelerator``, model, optimizer, scheduler and callback handler.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,9 @@ class Checkpointing:
         if best is not None and self.__dict__.get("_model") is None:
             from .trial import Trial
 
-            model = self.call_model_init(Trial(best.run_summary.get("number", 0), best.hyperparameters,
-                                               id=best.run_id))
+            model = self.call_model_init(
+                Trial(best.run_summary.get("number", 0), best.hyperparameters, id=best.run_id)
+            )
             runs.load_weights(model, _best_weights(best))
             self._model, self._best_run = model, None
         return self.__dict__.get("_model")
@@ -64,17 +66,34 @@ class Checkpointing:
         # The run's last checkpoint is written here: no step is left to overlap with its write, so
         # the copy that lets training go on, and the hand-off to a thread, would only cost time.
         state, control = self.state, self.control
-        background = (not wait and state.global_step < state.max_steps and not control.should_training_stop
-                      and not self._handler.reads_checkpoints() and acc.num_processes == 1)
+        background = (
+            not wait
+            and state.global_step < state.max_steps
+            and not control.should_training_stop
+            and not self._handler.reads_checkpoints()
+            and acc.num_processes == 1
+        )
         writer = self.__dict__.setdefault("_checkpoint_writer", runs.CheckpointWriter())
-        if acc.is_main_process:  # data-parallel processes hold the same weights: the first writes them
-            snapshot = runs.snapshot_checkpoint(model=bare_model(self.model_wrapped), optimizer=self.optimizer,
-                                                scheduler=self.lr_scheduler, state=self.state.to_dict(),
-                                                args=self.args.to_dict(), scaler=acc.scaler, copy=background,
-                                                model_only=self.args.save_only_model)
+        # data-parallel processes hold the same weights: the first writes them
+        if acc.is_main_process:
+            snapshot = runs.snapshot_checkpoint(
+                model=bare_model(self.model_wrapped),
+                optimizer=self.optimizer,
+                scheduler=self.lr_scheduler,
+                state=self.state.to_dict(),
+                args=self.args.to_dict(),
+                scaler=acc.scaler,
+                copy=background,
+                model_only=self.args.save_only_model,
+            )
             best = self.state.best_model_checkpoint
-            writer.submit(final, snapshot, limit=self.args.save_total_limit, keep=Path(best) if best else None,
-                          background=background)
+            writer.submit(
+                final,
+                snapshot,
+                limit=self.args.save_total_limit,
+                keep=Path(best) if best else None,
+                background=background,
+            )
         if acc.num_processes > 1:
             acc.wait_for_everyone()  # the others may read it next (the best model, the final checkpoint)
         self._handler.fire("on_save", self.args, self.state, self.control, checkpoint=str(final))
@@ -92,11 +111,23 @@ class Checkpointing:
     def _load_checkpoint(self, folder: Path) -> Any:
         """Restore weights, optimizer, scheduler (+ fp16 scaler), trainer and callback state; returns the RNG state."""
         acc = self.accelerator
-        state, rng_state = runs.read_checkpoint(folder, model=bare_model(self.model_wrapped),
-                                                optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=acc.scaler)
+        state, rng_state = runs.read_checkpoint(
+            folder,
+            model=bare_model(self.model_wrapped),
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            scaler=acc.scaler,
+        )
         saved = TrainerState.from_dict(state)
-        for name in ("global_step", "epoch", "num_evaluations", "log_history", "best_metric", "best_model_checkpoint",
-                     "callbacks"):
+        for name in (
+            "global_step",
+            "epoch",
+            "num_evaluations",
+            "log_history",
+            "best_metric",
+            "best_model_checkpoint",
+            "callbacks",
+        ):
             setattr(self.state, name, getattr(saved, name))
         self._handler.load_state_dicts(saved.callbacks)
         return rng_state
@@ -104,8 +135,13 @@ class Checkpointing:
 
 def _best_weights(best: runs.BestRun) -> Path | None:
     """Where the best run's weights are: the sweep's ``best/``, else the checkpoint it came from."""
-    for folder in (Path(best.run_dir).parent / runs.BEST_DIR, Path(best.checkpoint) if best.checkpoint else None):
-        if folder is not None and any((folder / name).exists() for name in ("model.safetensors",
-                                                                              "model.safetensors.index.json")):
+    for folder in (
+        Path(best.run_dir).parent / runs.BEST_DIR,
+        Path(best.checkpoint) if best.checkpoint else None,
+    ):
+        if folder is not None and any(
+            (folder / name).exists()
+            for name in ("model.safetensors", "model.safetensors.index.json")
+        ):
             return folder
     return None

@@ -7,6 +7,7 @@ Columns follow Hugging Face's Trainer: with ``remove_unused_columns`` (the defau
 before the collator sees them. The default collator is transformers' ``default_data_collator``
 rule for dict samples (``label`` / ``label_ids`` become ``labels``) and torch's otherwise.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,7 +26,12 @@ _DATASETS: dict[Any, tuple[Any, Any]] = {}  # key -> (factory, dataset), per pro
 
 def resolve_dataset(dataset: Any) -> Any:
     """A dataset, or a 0-argument factory called once per process (lazy loading on workers)."""
-    if dataset is None or isinstance(dataset, Dataset) or is_hf_dataset(dataset) or not callable(dataset):
+    if (
+        dataset is None
+        or isinstance(dataset, Dataset)
+        or is_hf_dataset(dataset)
+        or not callable(dataset)
+    ):
         return dataset
     # A factory unpickled afresh for every trial (Ray) is the same function: key it by name.
     qualname = getattr(dataset, "__qualname__", "")
@@ -33,19 +39,25 @@ def resolve_dataset(dataset: Any) -> Any:
     if key not in _DATASETS:
         loaded = dataset()
         if loaded is None:
-            raise UserError(f"the dataset factory {getattr(dataset, '__name__', dataset)!r} returned None; "
-                            "return a torch Dataset")
+            raise UserError(
+                f"the dataset factory {getattr(dataset, '__name__', dataset)!r} returned None; "
+                "return a torch Dataset"
+            )
         _DATASETS[key] = (dataset, loaded)  # holding the factory keeps an id key unique
     return _DATASETS[key][1]
 
 
 def is_hf_dataset(dataset: Any) -> bool:
     """A ``datasets.Dataset`` (checked without importing datasets)."""
-    return type(dataset).__module__.startswith("datasets") and hasattr(dataset, "column_names") \
+    return (
+        type(dataset).__module__.startswith("datasets")
+        and hasattr(dataset, "column_names")
         and hasattr(dataset, "remove_columns")
+    )
 
 
 # --- the columns a model takes ----------------------------------------------------------------------
+
 
 def is_several_datasets(dataset: Any) -> bool:
     """``{name: dataset}``, transformers' way to evaluate on several datasets (a ``DatasetDict`` too)."""
@@ -76,7 +88,9 @@ def signature_columns(model: Any, label_names: Sequence[str] | None) -> list[str
     params = forward_parameters(model)
     if not params:
         return None
-    return params + sorted({"label", "label_ids", *label_names_for(model, label_names)} - set(params))
+    return params + sorted(
+        {"label", "label_ids", *label_names_for(model, label_names)} - set(params)
+    )
 
 
 def remove_unused_columns(dataset: Any, columns: list[str] | None, model: Any, what: str) -> Any:
@@ -85,9 +99,11 @@ def remove_unused_columns(dataset: Any, columns: list[str] | None, model: Any, w
         return dataset
     unused = [c for c in dataset.column_names if c not in columns]
     if len(unused) == len(dataset.column_names):
-        raise UserError(f"{what}: none of its columns ({', '.join(dataset.column_names)}) is an argument of "
-                        f"{type(model).__name__}.forward ({', '.join(forward_parameters(model))}); tokenize the "
-                        "text first (dataset.map(...)) or set remove_unused_columns=False")
+        raise UserError(
+            f"{what}: none of its columns ({', '.join(dataset.column_names)}) is an argument of "
+            f"{type(model).__name__}.forward ({', '.join(forward_parameters(model))}); tokenize the "
+            "text first (dataset.map(...)) or set remove_unused_columns=False"
+        )
     return dataset.remove_columns(unused) if unused else dataset
 
 
@@ -119,7 +135,9 @@ class Collator:
     """The collate function of a data loader: drops unused keys of dict samples, then collates,
     turning a failure over a string value into a one-line error naming the column."""
 
-    def __init__(self, collate_fn: Callable[[list], Any] | None, columns: list[str] | None, what: str) -> None:
+    def __init__(
+        self, collate_fn: Callable[[list], Any] | None, columns: list[str] | None, what: str
+    ) -> None:
         self.collate_fn = collate_fn or default_data_collator
         self.columns = set(columns) if columns is not None else None
         self.what = what
@@ -132,13 +150,18 @@ class Collator:
         try:
             return self.collate_fn(features)
         except (ValueError, TypeError, RuntimeError) as exc:
-            text = [k for k, v in features[0].items() if isinstance(v, str)] if (
-                features and isinstance(features[0], Mapping)) else []
+            text = (
+                [k for k, v in features[0].items() if isinstance(v, str)]
+                if (features and isinstance(features[0], Mapping))
+                else []
+            )
             if not text:
                 raise
-            raise UserError(f"{self.what}: column {text[0]!r} holds text, which the data collator cannot batch "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); tokenize it first "
-                            "(dataset.map(...)) and let remove_unused_columns=True drop it") from None
+            raise UserError(
+                f"{self.what}: column {text[0]!r} holds text, which the data collator cannot batch "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); tokenize it first "
+                "(dataset.map(...)) and let remove_unused_columns=True drop it"
+            ) from None
 
 
 def default_data_collator(features: list[Any]) -> Any:
@@ -149,7 +172,9 @@ def default_data_collator(features: list[Any]) -> Any:
     first = features[0]
     batch: dict[str, Any] = {}
     if first.get("label") is not None:
-        label = first["label"].item() if isinstance(first["label"], torch.Tensor) else first["label"]
+        label = (
+            first["label"].item() if isinstance(first["label"], torch.Tensor) else first["label"]
+        )
         dtype = torch.long if isinstance(label, (int, np.integer)) else torch.float
         batch["labels"] = torch.tensor([f["label"] for f in features], dtype=dtype)
     elif first.get("label_ids") is not None:
@@ -174,9 +199,13 @@ def default_data_collator(features: list[Any]) -> Any:
 
 # --- reading batches ---------------------------------------------------------------------------------
 
+
 def batch_size(batch: Any) -> int:
-    first = next(iter(batch.values())) if isinstance(batch, Mapping) else (
-        batch[0] if isinstance(batch, (list, tuple)) else batch)
+    first = (
+        next(iter(batch.values()))
+        if isinstance(batch, Mapping)
+        else (batch[0] if isinstance(batch, (list, tuple)) else batch)
+    )
     return len(first) if hasattr(first, "__len__") else 1
 
 
@@ -205,7 +234,9 @@ def split_labels(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
-def train_sampler(dataset: Any, args: Any, seed: int, processing_class: Any) -> torch.utils.data.Sampler | None:
+def train_sampler(
+    dataset: Any, args: Any, seed: int, processing_class: Any
+) -> torch.utils.data.Sampler | None:
     """The training order ``args.train_sampling_strategy`` names, as transformers': None for
     ``"random"`` (the loader shuffles), the dataset's own order, or transformers'
     ``LengthGroupedSampler``: shuffled, then sorted by length within mega-batches of optimizer
@@ -223,8 +254,10 @@ def train_sampler(dataset: Any, args: Any, seed: int, processing_class: Any) -> 
     try:
         from transformers.trainer_pt_utils import LengthGroupedSampler
     except ImportError:
-        raise UserError("train_sampling_strategy='group_by_length' is transformers' LengthGroupedSampler; "
-                        "install it: pip install transformers") from None
+        raise UserError(
+            "train_sampling_strategy='group_by_length' is transformers' LengthGroupedSampler; "
+            "install it: pip install transformers"
+        ) from None
 
     class EpochSeeded(LengthGroupedSampler):
         def set_epoch(self, epoch: int) -> None:  # accelerate's loader calls it before each epoch
@@ -232,11 +265,18 @@ def train_sampler(dataset: Any, args: Any, seed: int, processing_class: Any) -> 
 
     column = is_hf_dataset(dataset) and length_column in dataset.column_names
     try:
-        sampler = EpochSeeded(batch_size, dataset=dataset, lengths=list(dataset[length_column]) if column else None,
-                              model_input_name=input_name, generator=torch.Generator())
+        sampler = EpochSeeded(
+            batch_size,
+            dataset=dataset,
+            lengths=list(dataset[length_column]) if column else None,
+            model_input_name=input_name,
+            generator=torch.Generator(),
+        )
     except ValueError as exc:  # samples that are not dicts with input_ids
-        raise UserError(f"train_sampling_strategy='group_by_length': {str(exc).rstrip('.')}; give the train_dataset "
-                        f"a {length_column!r} column (length_column_name), or use another strategy") from None
+        raise UserError(
+            f"train_sampling_strategy='group_by_length': {str(exc).rstrip('.')}; give the train_dataset "
+            f"a {length_column!r} column (length_column_name), or use another strategy"
+        ) from None
     sampler.set_epoch(0)
     return sampler
 
@@ -247,7 +287,9 @@ def check_trainable(dataset: Any, name: str) -> None:
     resume mid-epoch are defined over a dataset with a length."""
     resolved = resolve_dataset(dataset)
     if isinstance(resolved, torch.utils.data.IterableDataset):
-        raise UserError(f"{name} is an IterableDataset (a stream, without a length), which hpsweep does not train on; "
-                        "load it without streaming=True (or with Dataset.from_generator), or give a Dataset with __len__")
+        raise UserError(
+            f"{name} is an IterableDataset (a stream, without a length), which hpsweep does not train on; "
+            "load it without streaming=True (or with Dataset.from_generator), or give a Dataset with __len__"
+        )
     if hasattr(resolved, "__len__") and len(resolved) == 0:
         raise UserError(f"{name} is empty (0 samples); give it data")

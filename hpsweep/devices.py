@@ -27,6 +27,7 @@ same on every backend (Ray reserves the same ``resources`` itself):
 Tests fake the GPU count with ``HPSWEEP_FAKE_GPUS=N``: planning, placement and the records are
 real; the training itself runs on the CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,9 @@ def visible_gpus() -> list[str]:
     fake = os.environ.get(FAKE_GPUS_ENV)
     if fake is not None:
         if not fake.isdigit():
-            raise UserError(f"{FAKE_GPUS_ENV}={fake!r}: give a whole number of GPUs to pretend (tests only), or unset it")
+            raise UserError(
+                f"{FAKE_GPUS_ENV}={fake!r}: give a whole number of GPUs to pretend (tests only), or unset it"
+            )
         count = int(fake)
     else:
         import torch
@@ -76,7 +79,9 @@ def usable_cores() -> int:
     cores) or what the user set with ``torch.set_num_threads``. At least 1."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     quota = _cgroup_cpu_quota()
     if quota is not None:
         cores = min(cores, math.floor(quota))
@@ -129,8 +134,15 @@ class Placement:
         return env
 
 
-def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_trial: int = 1,
-         gpus: list[str], cores: int, local: bool = True) -> Placement:
+def plan(
+    *,
+    n_jobs: int,
+    resources: Mapping[str, float] | None,
+    processes_per_trial: int = 1,
+    gpus: list[str],
+    cores: int,
+    local: bool = True,
+) -> Placement:
     """Check a search's device request and place its trials; any request the machine cannot
     meet is one `UserError` line.
 
@@ -149,48 +161,74 @@ def plan(*, n_jobs: int, resources: Mapping[str, float] | None, processes_per_tr
     given = dict(resources or {})
     unknown = sorted(set(given) - set(RESOURCE_NAMES))
     if unknown:
-        raise UserError(f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)")
+        raise UserError(
+            f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
+        )
     for name, value in given.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise UserError(f"--resources-per-trial {name}={value}: give a number >= 0")
     ppt = processes_per_trial
     gpu = float(given.get("gpu", ppt if gpus else 0))
     if gpu > 1 and gpu != int(gpu):
-        raise UserError(f"--resources-per-trial gpu={gpu:g}: a trial takes a share of one GPU (gpu=0.5) or whole "
-                        f"GPUs (gpu=1, gpu=2); give gpu={math.floor(gpu)} or gpu={math.ceil(gpu)}")
+        raise UserError(
+            f"--resources-per-trial gpu={gpu:g}: a trial takes a share of one GPU (gpu=0.5) or whole "
+            f"GPUs (gpu=1, gpu=2); give gpu={math.floor(gpu)} or gpu={math.ceil(gpu)}"
+        )
     if ppt > 1 and gpu > 0 and gpu != ppt:
-        raise UserError(f"--processes-per-trial {ppt} runs each process on a GPU of its own, but "
-                        f"--resources-per-trial gpu={gpu:g}; give gpu={ppt} (or gpu=0 to train on CPU processes)")
+        raise UserError(
+            f"--processes-per-trial {ppt} runs each process on a GPU of its own, but "
+            f"--resources-per-trial gpu={gpu:g}; give gpu={ppt} (or gpu=0 to train on CPU processes)"
+        )
     resolved = {**given, "gpu": gpu}
     cpu = given.get("cpu")
-    if not local:  # without gpu=, the cluster's GPUs (not this machine's) decide: see the Ray backend
-        return Placement(slots=n_jobs, gpus=None, threads=1, processes_per_trial=ppt,
-                         resources=resolved if "gpu" in given else given)
+    # without gpu=, the cluster's GPUs (not this machine's) decide: see the Ray backend
+    if not local:
+        return Placement(
+            slots=n_jobs,
+            gpus=None,
+            threads=1,
+            processes_per_trial=ppt,
+            resources=resolved if "gpu" in given else given,
+        )
 
     slots, note, per_slot = n_jobs, None, None
     if gpu > 0:
         have = len(gpus)
         if have == 0:
             why = "" if "gpu" in given else f" (--processes-per-trial {ppt})"
-            raise UserError(f"--resources-per-trial gpu={gpu:g}{why}: CUDA sees no GPU on this machine; "
-                            "give gpu=0 to train on the CPU, or run where GPUs are")
+            raise UserError(
+                f"--resources-per-trial gpu={gpu:g}{why}: CUDA sees no GPU on this machine; "
+                "give gpu=0 to train on the CPU, or run where GPUs are"
+            )
         if gpu > have:
             why = f" (one per process of --processes-per-trial {ppt})" if ppt > 1 else ""
-            raise UserError(f"each trial needs {gpu:g} GPUs{why}, but this machine has {have} "
-                            f"({VISIBLE_ENV}={','.join(gpus)}); give --resources-per-trial gpu={have} or less")
+            raise UserError(
+                f"each trial needs {gpu:g} GPUs{why}, but this machine has {have} "
+                f"({VISIBLE_ENV}={','.join(gpus)}); give --resources-per-trial gpu={have} or less"
+            )
         per_slot = _gpu_slots(gpus, gpu)
         if len(per_slot) < n_jobs:
             slots = len(per_slot)
-            note = (f"--n-jobs {n_jobs} with gpu={gpu:g} per trial on {have} GPU{'s' if have > 1 else ''}: "
-                    f"{slots} trial{'s run' if slots > 1 else ' runs'} at once, the others wait their turn")
+            note = (
+                f"--n-jobs {n_jobs} with gpu={gpu:g} per trial on {have} GPU{'s' if have > 1 else ''}: "
+                f"{slots} trial{'s run' if slots > 1 else ' runs'} at once, the others wait their turn"
+            )
         per_slot = per_slot[:slots]
     elif gpus:
         per_slot = [()]  # gpu=0 on a machine with GPUs: hide them, as Ray does
     # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not more threads.
-    threads_per_trial = max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
-    return Placement(slots=slots, gpus=tuple(per_slot) if per_slot is not None else None,
-                     threads=threads_per_trial, processes_per_trial=ppt, resources=resolved, note=note,
-                     pinned=cpu is not None or bool(os.environ.get(THREADS_ENV)))
+    threads_per_trial = (
+        max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
+    )
+    return Placement(
+        slots=slots,
+        gpus=tuple(per_slot) if per_slot is not None else None,
+        threads=threads_per_trial,
+        processes_per_trial=ppt,
+        resources=resolved,
+        note=note,
+        pinned=cpu is not None or bool(os.environ.get(THREADS_ENV)),
+    )
 
 
 def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:
@@ -198,17 +236,21 @@ def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:
     dealt round-robin so that a few trials spread over the GPUs before any two share one."""
     if gpu >= 1:
         size = int(gpu)
-        return [tuple(gpus[i:i + size]) for i in range(0, len(gpus) - size + 1, size)]
+        return [tuple(gpus[i : i + size]) for i in range(0, len(gpus) - size + 1, size)]
     per_gpu = math.floor(1 / gpu + 1e-9)
     return [(gpus[i % len(gpus)],) for i in range(len(gpus) * per_gpu)]
 
 
 def plan_for(settings: object) -> Placement:
     """`plan` for a search's `SearchSettings`, on this machine."""
-    return plan(n_jobs=settings.n_jobs, resources=settings.resources_per_trial,  # type: ignore[attr-defined]
-                processes_per_trial=settings.processes_per_trial,  # type: ignore[attr-defined]
-                gpus=visible_gpus(), cores=usable_cores(),
-                local=settings.address is None)  # type: ignore[attr-defined]
+    return plan(
+        n_jobs=settings.n_jobs,
+        resources=settings.resources_per_trial,  # type: ignore[attr-defined]
+        processes_per_trial=settings.processes_per_trial,  # type: ignore[attr-defined]
+        gpus=visible_gpus(),
+        cores=usable_cores(),
+        local=settings.address is None,
+    )  # type: ignore[attr-defined]
 
 
 def check_fork_safe(placement: Placement) -> None:
@@ -221,9 +263,11 @@ def check_fork_safe(placement: Placement) -> None:
     import torch
 
     if torch.cuda.is_initialized():
-        raise UserError("CUDA was initialised in this process before the search (a tensor or model was put on a GPU); "
-                        "--n-jobs and --processes-per-trial fork processes that then cannot use it: leave the GPU "
-                        "untouched until the search starts, or use n_jobs=1 and processes_per_trial=1")
+        raise UserError(
+            "CUDA was initialised in this process before the search (a tensor or model was put on a GPU); "
+            "--n-jobs and --processes-per-trial fork processes that then cannot use it: leave the GPU "
+            "untouched until the search starts, or use n_jobs=1 and processes_per_trial=1"
+        )
 
 
 def apply(placement: Placement, slot: int) -> None:
@@ -262,7 +306,11 @@ def placed(placement: Placement, slot: int = 0) -> Iterator[None]:
 def trial_devices(processes: int = 1) -> dict[str, object]:
     """What a trial's ``trial.json`` records about where it ran (``user_attrs``)."""
     gpus = visible_gpus()
-    return {"devices": gpus or ["cpu"], "threads": threads_per_process(processes), "processes": processes}
+    return {
+        "devices": gpus or ["cpu"],
+        "threads": threads_per_process(processes),
+        "processes": processes,
+    }
 
 
 def threads_per_process(processes: int) -> int:
@@ -304,15 +352,25 @@ class CoreShare:
     ``/proc``), trials get the ceiling.
     """
 
-    def __init__(self, ceiling: int, *, min_window: float = 0.5, cgroup: Path = Path("/sys/fs/cgroup")) -> None:
+    def __init__(
+        self, ceiling: int, *, min_window: float = 0.5, cgroup: Path = Path("/sys/fs/cgroup")
+    ) -> None:
         self.ceiling, self.min_window = max(1, ceiling), min_window
         quota = _cgroup_cpu_quota(cgroup)
         self._cgroup = cgroup if quota is not None else None
         self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        self.capacity = quota if quota is not None else float(len(self._cpus) if self._cpus else os.cpu_count() or 1)
+        self.capacity = (
+            quota
+            if quota is not None
+            else float(len(self._cpus) if self._cpus else os.cpu_count() or 1)
+        )
         started = _STARTED
-        recent = (started is not None and self._cgroup is None and started.pid == os.getpid()
-                  and time.monotonic() - started.wall < FIRST_WINDOW_STALE)
+        recent = (
+            started is not None
+            and self._cgroup is None
+            and started.pid == os.getpid()
+            and time.monotonic() - started.wall < FIRST_WINDOW_STALE
+        )
         self._since = started if recent else None
         self._threads, self._decided = self.ceiling, False
         self._measurable = self._sample() is not None
@@ -327,7 +385,8 @@ class CoreShare:
         now = self._sample()
         if since is None or now is None:
             return self.ceiling
-        if not self._decided and now.wall - since.wall < FIRST_WINDOW:  # the first decision's shortest window
+        # the first decision's shortest window
+        if not self._decided and now.wall - since.wall < FIRST_WINDOW:
             time.sleep(FIRST_WINDOW - (now.wall - since.wall))
             now = self._sample() or now
         wall = now.wall - since.wall
@@ -359,7 +418,9 @@ def _sample(cgroup: Path | None, cpus: set[int] | None) -> _Sample | None:
     if busy is None:
         return None
     t = os.times()
-    return _Sample(time.monotonic(), os.getpid(), busy, t.user + t.system + t.children_user + t.children_system)
+    return _Sample(
+        time.monotonic(), os.getpid(), busy, t.user + t.system + t.children_user + t.children_system
+    )
 
 
 def _cores_busy(cpus: set[int] | None, stat: Path = Path("/proc/stat")) -> float | None:
@@ -371,8 +432,13 @@ def _cores_busy(cpus: set[int] | None, stat: Path = Path("/proc/stat")) -> float
     ticks = 0
     for line in lines:
         name, _, rest = line.partition(" ")
-        if name.startswith("cpu") and name[3:].isdigit() and (cpus is None or int(name[3:]) in cpus):
-            fields = [int(v) for v in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+        if (
+            name.startswith("cpu")
+            and name[3:].isdigit()
+            and (cpus is None or int(name[3:]) in cpus)
+        ):
+            # user nice system idle iowait irq softirq steal
+            fields = [int(v) for v in rest.split()[:8]]
             ticks += sum(fields) - fields[3] - fields[4]
     return ticks / os.sysconf("SC_CLK_TCK")
 

@@ -29,6 +29,7 @@ rank takes every N-th batch, so the effective batch is ``per_device_train_batch_
 - **Memory.** This process never initialises CUDA (so forking stays safe trial after trial), and
   each trial's ranks take its memory with them when they exit.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
     from .runner import TrainOutcome, TrialRunner
 
 TIMEOUT_ENV = "HPSWEEP_DIST_TIMEOUT_S"
-STOP_GRACE_S = 10.0  # how long stopped ranks get to leave (a checkpoint being written) before SIGKILL
+# how long stopped ranks get to leave (a checkpoint being written) before SIGKILL
+STOP_GRACE_S = 10.0
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -68,8 +70,14 @@ class RankDied(Exception):
     """A rank ended without a word: killed (the OOM killer, ``kill -9``) or crashed."""
 
 
-def train_data_parallel(runner: TrialRunner, trial: Trial, built: Any, args: Any, callbacks: list[Any],
-                        resume_from: str | None) -> TrainOutcome:
+def train_data_parallel(
+    runner: TrialRunner,
+    trial: Trial,
+    built: Any,
+    args: Any,
+    callbacks: list[Any],
+    resume_from: str | None,
+) -> TrainOutcome:
     """Train ``trial`` over ``runner.job.processes_per_trial`` forked ranks; returns rank 0's
     outcome, or raises the first rank's error (with ``rank`` and ``rank_traceback`` set on it)."""
     import torch
@@ -77,12 +85,15 @@ def train_data_parallel(runner: TrialRunner, trial: Trial, built: Any, args: Any
     from .data import is_several_datasets, resolve_dataset
 
     if torch.cuda.is_initialized():
-        raise UserError("--processes-per-trial: CUDA was initialised in the process that runs the search (model_init "
-                        "or the space file put something on a GPU); return the model on the CPU, accelerate moves "
-                        "it to each process's GPU")
+        raise UserError(
+            "--processes-per-trial: CUDA was initialised in the process that runs the search (model_init "
+            "or the space file put something on a GPU); return the model on the CPU, accelerate moves "
+            "it to each process's GPU"
+        )
     job = runner.job
     for dataset in (job.train_dataset, job.eval_dataset):
-        loaded = resolve_dataset(dataset)  # a dataset factory runs once, here; the ranks inherit what it loaded
+        # a dataset factory runs once, here; the ranks inherit what it loaded
+        loaded = resolve_dataset(dataset)
         for part in loaded.values() if is_several_datasets(loaded) else ():
             resolve_dataset(part)  # and so does each of several eval datasets'
     _preimport()
@@ -97,7 +108,12 @@ def train_data_parallel(runner: TrialRunner, trial: Trial, built: Any, args: Any
 #: What accelerate and DistributedDataParallel import lazily on their multi-process path (torch's
 #: compiler stack, FSDP, Hugging Face datasets): 5 to 10 s in every rank of every trial on two
 #: cores, or once in this process, whose ranks inherit it.
-PREIMPORT = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "datasets")
+PREIMPORT = (
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "datasets",
+)
 
 
 def _preimport() -> None:
@@ -115,23 +131,48 @@ class _RankGroup:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.ctx = multiprocessing.get_context("fork")  # the job (user functions, datasets) travels unpickled
+        # the job (user functions, datasets) travels unpickled
+        self.ctx = multiprocessing.get_context("fork")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.store_dir = tempfile.mkdtemp(prefix="hpsweep-ranks-")
 
-    def start(self, runner: TrialRunner, trial: Trial, built: Any, args: Any, callbacks: list[Any],
-              resume_from: str | None) -> None:
-        setup = {"n": self.n, "store": os.path.join(self.store_dir, "store"), "threads": threads_per_process(self.n),
-                 "use_cpu": bool(args.use_cpu), "timeout_s": _timeout_s()}
+    def start(
+        self,
+        runner: TrialRunner,
+        trial: Trial,
+        built: Any,
+        args: Any,
+        callbacks: list[Any],
+        resume_from: str | None,
+    ) -> None:
+        setup = {
+            "n": self.n,
+            "store": os.path.join(self.store_dir, "store"),
+            "threads": threads_per_process(self.n),
+            "use_cpu": bool(args.use_cpu),
+            "timeout_s": _timeout_s(),
+        }
         # Signals wait until each rank has its own handlers: none sees the terminal's Ctrl-C half set up.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
             for rank in range(self.n):
                 ours, theirs = self.ctx.Pipe()
-                proc = self.ctx.Process(target=_rank_main, name=f"hpsweep-trial{trial.number}-rank{rank}",
-                                        args=(rank, setup, theirs, runner, trial, built, args,
-                                              callbacks if rank == 0 else [], resume_from))
+                proc = self.ctx.Process(
+                    target=_rank_main,
+                    name=f"hpsweep-trial{trial.number}-rank{rank}",
+                    args=(
+                        rank,
+                        setup,
+                        theirs,
+                        runner,
+                        trial,
+                        built,
+                        args,
+                        callbacks if rank == 0 else [],
+                        resume_from,
+                    ),
+                )
                 proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -183,7 +224,9 @@ class _RankGroup:
         proc.join(timeout=5)
         code = proc.exitcode
         if code is not None and code < 0:
-            how = f"was killed by signal {-code}" + (" (SIGKILL: out of memory?)" if code == -signal.SIGKILL else "")
+            how = f"was killed by signal {-code}" + (
+                " (SIGKILL: out of memory?)" if code == -signal.SIGKILL else ""
+            )
         else:
             how = f"exited with code {code}"
         return RankDied(f"data-parallel process {rank} of {self.n} {how} before the trial ended")
@@ -213,7 +256,9 @@ def _timeout_s() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise UserError(f"{TIMEOUT_ENV}={text!r}: give the seconds a data-parallel process may wait for the others")
+        raise UserError(
+            f"{TIMEOUT_ENV}={text!r}: give the seconds a data-parallel process may wait for the others"
+        )
     return value
 
 
@@ -226,6 +271,7 @@ def _signal(proc: Any, signum: int) -> None:
 
 # --- inside a rank ----------------------------------------------------------------------------------
 
+
 class _RankTrial(Trial):
     """The trial as a rank sees it: the params it was forked with. Rank 0 relays reports and
     prune questions to the process that holds the real trial; every rank learns the answer from
@@ -234,11 +280,14 @@ class _RankTrial(Trial):
     def __init__(self, trial: Trial, rank: int, conn: Connection) -> None:
         super().__init__(trial.number, trial.params, id=trial.id)
         self.backend = trial.backend
-        self.reads_checkpoints = trial.reads_checkpoints  # every rank asks at the same point either way
+        # every rank asks at the same point either way
+        self.reads_checkpoints = trial.reads_checkpoints
         self.user_attrs = dict(trial.user_attrs)
         self.rank, self.conn = rank, conn
 
-    def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
+    def report(
+        self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
+    ) -> None:
         if self.rank == 0:
             self.conn.send(("report", step, dict(metrics), objective, checkpoint))
 
@@ -255,8 +304,17 @@ class _RankTrial(Trial):
         return bool(flag.item())
 
 
-def _rank_main(rank: int, setup: dict[str, Any], conn: Connection, runner: TrialRunner, trial: Trial, built: Any,
-               args: Any, callbacks: list[Any], resume_from: str | None) -> None:
+def _rank_main(
+    rank: int,
+    setup: dict[str, Any],
+    conn: Connection,
+    runner: TrialRunner,
+    trial: Trial,
+    built: Any,
+    args: Any,
+    callbacks: list[Any],
+    resume_from: str | None,
+) -> None:
     from .loop import _die_with_parent, _raise_interrupted
 
     parent = os.getppid()
@@ -270,7 +328,9 @@ def _rank_main(rank: int, setup: dict[str, Any], conn: Connection, runner: Trial
         if os.getppid() != parent:  # the parent died before we asked to die with it
             raise KeyboardInterrupt
         _join_group(rank, setup)
-        outcome = runner.train_here(_RankTrial(trial, rank, conn), built, args, callbacks, resume_from)
+        outcome = runner.train_here(
+            _RankTrial(trial, rank, conn), built, args, callbacks, resume_from
+        )
         conn.send(("done", outcome if rank == 0 else None))
     except KeyboardInterrupt:  # stopped: the parent records the trial
         code = 130
@@ -279,7 +339,8 @@ def _rank_main(rank: int, setup: dict[str, Any], conn: Connection, runner: Trial
         _send_error(conn, exc)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no atexit, no destructors: the parent's open study and files are not ours to close
+    # no atexit, no destructors: the parent's open study and files are not ours to close
+    os._exit(code)
 
 
 def _join_group(rank: int, setup: dict[str, Any]) -> None:
@@ -289,8 +350,14 @@ def _join_group(rank: int, setup: dict[str, Any]) -> None:
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     n = setup["n"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
-                      MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=str(setup["threads"]))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(n),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(n),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS=str(setup["threads"]),
+    )
     torch.set_num_threads(setup["threads"])
     # What the parent's own accelerate state said (one process) is not true here.
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -298,8 +365,13 @@ def _join_group(rank: int, setup: dict[str, Any]) -> None:
     use_cpu = setup["use_cpu"] or not torch.cuda.is_available()
     if not use_cpu:
         torch.cuda.set_device(rank)  # CUDA_VISIBLE_DEVICES holds the trial's GPUs, one per rank
-    dist.init_process_group("gloo" if use_cpu else "nccl", init_method=f"file://{setup['store']}", rank=rank,
-                            world_size=n, timeout=timedelta(seconds=setup["timeout_s"]))
+    dist.init_process_group(
+        "gloo" if use_cpu else "nccl",
+        init_method=f"file://{setup['store']}",
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=setup["timeout_s"]),
+    )
     PartialState(cpu=use_cpu)
 
 

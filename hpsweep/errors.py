@@ -1,4 +1,5 @@
 """The one exception type for mistakes a user can make, and the signals a trial sends."""
+
 from __future__ import annotations
 
 import difflib

@@ -20,6 +20,7 @@ here, a few MB) is kept until the sweep ends, when the heap is unfrozen; and ste
 (0.04 s). The Python API (``Trainer.hyperparameter_search``) leaves the collector of the user's
 process alone.
 """
+
 from __future__ import annotations
 
 import gc

@@ -10,6 +10,7 @@ transformers before a transformers object is handed over.
     >>> args.learning_rate, type(args).__module__
     (0.001, 'hpsweep.arguments')
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,22 +32,50 @@ from .runs import read_json, write_json
 #: transformers fields that change nothing hpsweep computes (logging, infrastructure, knobs its
 #: Trainer ignores too); any value is accepted and dropped. Other fields of theirs we lack are
 #: refused when set to a value other than transformers' default.
-IGNORED_FIELDS = frozenset({
-    "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
-    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "skip_memory_metrics",
-    "save_on_each_node", "save_safetensors", "dataloader_persistent_workers", "dataloader_prefetch_factor",
-    "dataloader_in_order", "ddp_timeout", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
-    "ddp_broadcast_buffers", "ddp_backend", "local_rank", "resume_from_checkpoint", "hub_token",
-    "eval_accumulation_steps", "tf32", "torch_empty_cache_steps", "include_num_input_tokens_seen",
-    "restore_callback_states_from_checkpoint", "use_cache", "accelerator_config", "debug",
-    "past_index", "use_legacy_prediction_loop",
-})
+IGNORED_FIELDS = frozenset(
+    {
+        "log_level",
+        "log_level_replica",
+        "log_on_each_node",
+        "logging_nan_inf_filter",
+        "project",
+        "trackio_space_id",
+        "trackio_bucket_id",
+        "trackio_static_space_id",
+        "skip_memory_metrics",
+        "save_on_each_node",
+        "save_safetensors",
+        "dataloader_persistent_workers",
+        "dataloader_prefetch_factor",
+        "dataloader_in_order",
+        "ddp_timeout",
+        "ddp_find_unused_parameters",
+        "ddp_bucket_cap_mb",
+        "ddp_broadcast_buffers",
+        "ddp_backend",
+        "local_rank",
+        "resume_from_checkpoint",
+        "hub_token",
+        "eval_accumulation_steps",
+        "tf32",
+        "torch_empty_cache_steps",
+        "include_num_input_tokens_seen",
+        "restore_callback_states_from_checkpoint",
+        "use_cache",
+        "accelerator_config",
+        "debug",
+        "past_index",
+        "use_legacy_prediction_loop",
+    }
+)
 
 
 def is_transformers_args(obj: Any) -> bool:
     """Whether ``obj`` is a ``transformers.TrainingArguments`` (without importing transformers)."""
-    return any(c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers")
-               for c in type(obj).__mro__)
+    return any(
+        c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers")
+        for c in type(obj).__mro__
+    )
 
 
 def as_training_arguments(obj: Any, where: str = "args") -> TrainingArguments:
@@ -55,8 +84,10 @@ def as_training_arguments(obj: Any, where: str = "args") -> TrainingArguments:
         return obj
     if is_transformers_args(obj):
         return from_transformers_args(obj, where)
-    raise UserError(f"{where} is a {type(obj).__name__}; use hpsweep.TrainingArguments(...) "
-                    "(or a transformers.TrainingArguments)")
+    raise UserError(
+        f"{where} is a {type(obj).__name__}; use hpsweep.TrainingArguments(...) "
+        "(or a transformers.TrainingArguments)"
+    )
 
 
 def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArguments:
@@ -76,10 +107,15 @@ def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArgumen
                 continue  # transformers 4 expands its default "all" to whatever is installed
             values[name] = value
         elif name not in IGNORED_FIELDS and not _same(value, default):
-            fix = HF_REFUSED.get(name, f"leave it at its default ({default!r}) or set the fields of "
-                                       "hpsweep.TrainingArguments instead")
-            raise UserError(f"{where}: transformers.TrainingArguments sets {name}={value!r}, which hpsweep "
-                            f"does not support; {fix}")
+            fix = HF_REFUSED.get(
+                name,
+                f"leave it at its default ({default!r}) or set the fields of "
+                "hpsweep.TrainingArguments instead",
+            )
+            raise UserError(
+                f"{where}: transformers.TrainingArguments sets {name}={value!r}, which hpsweep "
+                f"does not support; {fix}"
+            )
     try:
         return TrainingArguments(**values)
     except UserError as exc:
@@ -89,7 +125,11 @@ def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArgumen
 @functools.lru_cache(maxsize=4)
 def _reference_args(mro: tuple[type, ...], output_dir: str) -> Any:
     """transformers' own defaults, after its __post_init__ derived what it derives."""
-    base = next(c for c in mro if c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers"))
+    base = next(
+        c
+        for c in mro
+        if c.__name__ == "TrainingArguments" and c.__module__.startswith("transformers")
+    )
     return base(output_dir=output_dir)
 
 
@@ -110,6 +150,7 @@ def _same(a: Any, b: Any) -> bool:
 
 # --- what travels with the model ----------------------------------------------------------------
 
+
 class HFComponents(TrainerCallback):
     """The Trainer arguments Hugging Face users pass beside the model.
 
@@ -119,14 +160,19 @@ class HFComponents(TrainerCallback):
     It is the first of the user's callbacks, so the reporter and pushers see the tokenizer there.
     """
 
-    def __init__(self, processing_class: Any = None,
-                 preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
-                 compute_loss_func: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        processing_class: Any = None,
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+    ) -> None:
         self.processing_class = processing_class
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.compute_loss_func = compute_loss_func
 
-    def on_save(self, args: Any, state: Any, control: Any, *, checkpoint: str, **kwargs: Any) -> None:
+    def on_save(
+        self, args: Any, state: Any, control: Any, *, checkpoint: str, **kwargs: Any
+    ) -> None:
         save_processing_class(self.processing_class, Path(checkpoint))
 
 
@@ -138,19 +184,27 @@ class NEFTune(TrainerCallback):
 
     handle: Any = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if args.neftune_noise_alpha is None:
             return
         if not hasattr(model, "get_input_embeddings"):
-            raise UserError(f"neftune_noise_alpha={args.neftune_noise_alpha}: {type(model).__name__} has no "
-                            "get_input_embeddings() to add noise to (a transformers model has); unset it")
+            raise UserError(
+                f"neftune_noise_alpha={args.neftune_noise_alpha}: {type(model).__name__} has no "
+                "get_input_embeddings() to add noise to (a transformers model has); unset it"
+            )
         try:
             from transformers.integrations.neftune import activate_neftune
         except ImportError:
-            raise UserError("neftune_noise_alpha uses transformers' NEFTune hook: pip install transformers") from None
+            raise UserError(
+                "neftune_noise_alpha uses transformers' NEFTune hook: pip install transformers"
+            ) from None
         self.handle = activate_neftune(model, args.neftune_noise_alpha)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if self.handle is not None:
             from transformers.integrations.neftune import deactivate_neftune
 
@@ -160,30 +214,49 @@ class NEFTune(TrainerCallback):
     on_exception = on_train_end
 
 
-def trainer_components(callbacks: list[Any], *, processing_class: Any, tokenizer: Any,
-                       preprocess_logits_for_metrics: Any, compute_loss_func: Any, model_init: Any,
-                       optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any) -> tuple[HFComponents, list[Any]]:
+def trainer_components(
+    callbacks: list[Any],
+    *,
+    processing_class: Any,
+    tokenizer: Any,
+    preprocess_logits_for_metrics: Any,
+    compute_loss_func: Any,
+    model_init: Any,
+    optimizers: tuple[Any, Any],
+    optimizer_cls_and_kwargs: Any,
+) -> tuple[HFComponents, list[Any]]:
     """Check the transformers-only Trainer arguments; returns the `HFComponents` (merged with one
     found among ``callbacks``, as a trial's trainer receives it) and the callbacks to keep."""
     if model_init is not None and any(o is not None for o in optimizers):
-        raise UserError("optimizers=(...) with model_init: each run builds a new model the optimizer does not "
-                        "hold; set optim= in TrainingArguments, or subclass Trainer and build it for each run's "
-                        "model in create_optimizer_and_scheduler, as transformers advises")
+        raise UserError(
+            "optimizers=(...) with model_init: each run builds a new model the optimizer does not "
+            "hold; set optim= in TrainingArguments, or subclass Trainer and build it for each run's "
+            "model in create_optimizer_and_scheduler, as transformers advises"
+        )
     if optimizer_cls_and_kwargs is not None:
-        raise UserError("optimizer_cls_and_kwargs is not supported; set optim= (e.g. 'adamw_torch', 'sgd') in "
-                        "TrainingArguments, or pass optimizers=(optimizer, None) with a model")
+        raise UserError(
+            "optimizer_cls_and_kwargs is not supported; set optim= (e.g. 'adamw_torch', 'sgd') in "
+            "TrainingArguments, or pass optimizers=(optimizer, None) with a model"
+        )
     if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
-        raise UserError("Trainer got both tokenizer= and processing_class=; pass the tokenizer once, as "
-                        "processing_class=")
-    callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]  # a class is instantiated, as there
+        raise UserError(
+            "Trainer got both tokenizer= and processing_class=; pass the tokenizer once, as "
+            "processing_class="
+        )
+    # a class is instantiated, as there
+    callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
     carried = next((cb for cb in callbacks if isinstance(cb, HFComponents)), HFComponents())
     components = HFComponents(
         processing_class=_first(processing_class, tokenizer, carried.processing_class),
-        preprocess_logits_for_metrics=_first(preprocess_logits_for_metrics, carried.preprocess_logits_for_metrics),
-        compute_loss_func=_first(compute_loss_func, carried.compute_loss_func))
+        preprocess_logits_for_metrics=_first(
+            preprocess_logits_for_metrics, carried.preprocess_logits_for_metrics
+        ),
+        compute_loss_func=_first(compute_loss_func, carried.compute_loss_func),
+    )
     kept = [cb for cb in callbacks if not isinstance(cb, HFComponents)]
     if any(v is not None for v in vars(components).values()):
-        kept.insert(0, components)  # first: the tokenizer is in a checkpoint before others see on_save
+        # first: the tokenizer is in a checkpoint before others see on_save
+        kept.insert(0, components)
     return components, kept
 
 
@@ -201,7 +274,11 @@ def default_collator(processing_class: Any) -> Callable[[list], Any] | None:
     """transformers' rule: a tokenizer or feature extractor pads with ``DataCollatorWithPadding``."""
     if processing_class is None:
         return None
-    from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, SequenceFeatureExtractor
+    from transformers import (
+        DataCollatorWithPadding,
+        PreTrainedTokenizerBase,
+        SequenceFeatureExtractor,
+    )
 
     if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
         return DataCollatorWithPadding(processing_class)
@@ -211,6 +288,7 @@ def default_collator(processing_class: Any) -> Callable[[list], Any] | None:
 # --- transformers' reporting conveniences -----------------------------------------------------------
 # run_glue.py-style scripts end a run with these. They are `Trainer` methods, bound in its class
 # body as transformers binds its own (from trainer_pt_utils), and read only args, state and metrics.
+
 
 def is_world_process_zero(self: Any) -> bool:
     """Whether this process reports for the run: the only one, or the first of a data-parallel trial."""
@@ -271,24 +349,37 @@ def save_state(self: Any) -> None:
 
 # --- callbacks ------------------------------------------------------------------------------------
 
-callback_handler = property(lambda self: self._handler, doc="The trainer's callbacks (``.callbacks``), as "
-                                                                "transformers names them.")
+callback_handler = property(
+    lambda self: self._handler,
+    doc="The trainer's callbacks (``.callbacks``), as transformers names them.",
+)
 
 
 def add_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> None:
     """Add a callback (an instance, or a class to instantiate), here and in every trial of a sweep."""
     callback = callback() if isinstance(callback, type) else callback
     if any(type(cb) is type(callback) for cb in self._handler.callbacks):  # transformers warns too
-        warnings.warn(f"add_callback: this Trainer already has a {type(callback).__name__}; both will run "
-                      "(remove_callback removes the first)", stacklevel=2)
+        warnings.warn(
+            f"add_callback: this Trainer already has a {type(callback).__name__}; both will run "
+            "(remove_callback removes the first)",
+            stacklevel=2,
+        )
     self.user_callbacks.append(callback)
     self._handler.add(callback)
 
 
-def pop_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+def pop_callback(
+    self: Any, callback: TrainerCallback | type[TrainerCallback]
+) -> TrainerCallback | None:
     """Remove ``callback`` (an instance, or the first one of a class) and return it; None if there is none."""
-    found = next((cb for cb in self._handler.callbacks
-                  if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)), None)
+    found = next(
+        (
+            cb
+            for cb in self._handler.callbacks
+            if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)
+        ),
+        None,
+    )
     if found is not None:
         self._handler.remove(found)
         self.user_callbacks = [cb for cb in self.user_callbacks if cb is not found]
@@ -301,6 +392,7 @@ def remove_callback(self: Any, callback: TrainerCallback | type[TrainerCallback]
 
 
 # --- the optimizer ---------------------------------------------------------------------------------
+
 
 def get_decay_parameter_names(self: Any, model: Any) -> list[str]:
     """The names of ``model``'s params that take weight decay (transformers' rule: not biases, not
@@ -319,6 +411,7 @@ def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[type, di
 
 # --- helpers transformers' overrides call ------------------------------------------------------------
 
+
 def get_num_trainable_parameters(self: Any) -> int:
     """How many parameters of the model train."""
     return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -327,7 +420,9 @@ def get_num_trainable_parameters(self: Any) -> int:
 def get_learning_rates(self: Any) -> list[float]:
     """The learning rate of each of the optimizer's param groups now."""
     if self.optimizer is None:
-        raise UserError("the trainer has no optimizer yet; call get_learning_rates during or after train()")
+        raise UserError(
+            "the trainer has no optimizer yet; call get_learning_rates during or after train()"
+        )
     return [group["lr"] for group in self.optimizer.param_groups]
 
 
@@ -345,7 +440,9 @@ def compute_loss_context_manager(self: Any) -> contextlib.AbstractContextManager
     return self.autocast_smart_context_manager()
 
 
-def autocast_smart_context_manager(self: Any, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+def autocast_smart_context_manager(
+    self: Any, cache_enabled: bool | None = True
+) -> contextlib.AbstractContextManager:
     """transformers' autocast helper: a no-op, as there, because accelerate does the autocast."""
     return contextlib.nullcontext()
 
@@ -353,8 +450,11 @@ def autocast_smart_context_manager(self: Any, cache_enabled: bool | None = True)
 def speed_metrics(split: str, started: float, *, steps: int, samples: int) -> dict[str, float]:
     """transformers' ``<split>_runtime``, ``_samples_per_second`` and ``_steps_per_second`` since ``started``."""
     runtime = max(time.time() - started, 1e-9)
-    return {f"{split}_runtime": round(runtime, 4), f"{split}_samples_per_second": round(samples / runtime, 3),
-            f"{split}_steps_per_second": round(steps / runtime, 3)}
+    return {
+        f"{split}_runtime": round(runtime, 4),
+        f"{split}_samples_per_second": round(samples / runtime, 3),
+        f"{split}_steps_per_second": round(steps / runtime, 3),
+    }
 
 
 def train_finding_batch_size(trainer: Any, resume_from_checkpoint: Any, trial: Any) -> Any:
@@ -385,7 +485,9 @@ def train_finding_batch_size(trainer: Any, resume_from_checkpoint: Any, trial: A
             trainer.args = args.replace(per_device_train_batch_size=size)
             kept = set(runs.checkpoints(Path(args.output_dir)))
             try:
-                return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None, trial=trial)
+                return trainer.train(
+                    resume_from_checkpoint=str(checkpoint) if checkpoint else None, trial=trial
+                )
             except RuntimeError as exc:
                 if size == 1 or not should_reduce_batch_size(exc):
                     raise
@@ -395,8 +497,11 @@ def train_finding_batch_size(trainer: Any, resume_from_checkpoint: Any, trial: A
             trainer.model_wrapped = trainer.optimizer = trainer.lr_scheduler = None
             memory.reset_accelerate_state()
             memory.collect()
-            warnings.warn(f"auto_find_batch_size: out of memory at per_device_train_batch_size={size}; "
-                          f"training again from the start at {size // 2}", stacklevel=3)
+            warnings.warn(
+                f"auto_find_batch_size: out of memory at per_device_train_batch_size={size}; "
+                f"training again from the start at {size // 2}",
+                stacklevel=3,
+            )
             size, checkpoint = size // 2, None
     finally:
         trainer._finding_batch_size = False
@@ -413,6 +518,8 @@ def not_a_smaller_train_batch(args: Any) -> Any:
 
         if args.auto_find_batch_size and should_reduce_batch_size(exc):
             # Not the allocator's words (they stay in the error it chains): they would look retryable.
-            raise RuntimeError("an evaluation batch did not fit in memory; auto_find_batch_size shrinks only the "
-                               "training batch: set a smaller per_device_eval_batch_size") from exc
+            raise RuntimeError(
+                "an evaluation batch did not fit in memory; auto_find_batch_size shrinks only the "
+                "training batch: set a smaller per_device_eval_batch_size"
+            ) from exc
         raise

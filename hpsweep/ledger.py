@@ -24,6 +24,7 @@ Guarantees (DESIGN.md, section 5), whatever process or command runs the trials:
 A backend never counts, leases or re-runs anything itself: it is asked for a trial (new, or a
 record to run again) and told how each ended.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,7 +66,12 @@ class Lease:
         self.path = folder / f"{self.token}.lease"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "trial": None, "ref": None}
+        self.info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "trial": None,
+            "ref": None,
+        }
         self._write()
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="hpsweep-lease", daemon=True)
@@ -212,12 +218,14 @@ class Ledger:
                     live.add(str(lease.trial))
             else:
                 dead.append(lease)
-        self.index.refresh(verify=bool(dead))  # a process killed between its two writes left no journal line
+        # a process killed between its two writes left no journal line
+        self.index.refresh(verify=bool(dead))
         for record in self.index.records("running"):
             if record.id not in live:
                 who = record.user_attrs.get("pid"), record.user_attrs.get("host")
                 dataclasses.replace(record).finish(
-                    AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran")
+                    AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran"
+                )
         for lease in dead:
             lease.path.unlink(missing_ok=True)
         return dead
@@ -245,7 +253,10 @@ class Ledger:
         live = sum(1 for lease in self.leases() if lease.alive())
         self.index.refresh()
         waiting = self.index.count(AGAIN)
-        if self.n_trials is not None and self.index.count(*FINISHED) + live + waiting >= self.n_trials:
+        if (
+            self.n_trials is not None
+            and self.index.count(*FINISHED) + live + waiting >= self.n_trials
+        ):
             return "wait" if live or waiting else "done"
         return Claim(Lease(self.lease_dir))
 
@@ -266,7 +277,8 @@ class Ledger:
         return self._lease_again(record)
 
     def _lease_again(self, record: runs.TrialRecord) -> Claim:
-        record = dataclasses.replace(record)  # the index's own stays as read until the journal names it
+        # the index's own stays as read until the journal names it
+        record = dataclasses.replace(record)
         lease = Lease(self.lease_dir)
         lease.bind(record.id)
         record.state = "running"

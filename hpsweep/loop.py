@@ -15,6 +15,7 @@ worker processes that each run it, and supervises them:
   ``CUDA_VISIBLE_DEVICES`` and its share of the CPU threads (`hpsweep.devices`); when the GPUs
   hold fewer trials than ``--n-jobs``, fewer workers run and trials wait their turn.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +34,8 @@ from .errors import TrialPruned, UserError
 from .ledger import Claim, Ledger
 from .trial import Trial
 
-WAIT_S = 0.5  # how often a worker with nothing to claim looks again (others' trials may need re-running)
+# how often a worker with nothing to claim looks again (others' trials may need re-running)
+WAIT_S = 0.5
 RESTARTS_PER_WORKER = 3  # dead workers replaced per --n-jobs slot before the command gives up
 
 
@@ -111,7 +113,8 @@ class TrialLoop:
         except TrialFailed:
             backend.tell(trial, "failed")
         except UserError:
-            _tell_quietly(backend, trial, "failed")  # the user's error is the news, not a storage hiccup
+            # the user's error is the news, not a storage hiccup
+            _tell_quietly(backend, trial, "failed")
             raise
         except BaseException:
             _tell_quietly(backend, trial, "stopped")
@@ -127,8 +130,10 @@ class TrialLoop:
         limit = self.settings.max_failed_trials
         if len(failed) >= limit:
             last = failed[-1]
-            raise UserError(f"{len(failed)} trials failed in this run (--max-failed-trials {limit}); the last: "
-                            f"{last.error} (see {last.run_dir}/error.log); fix the cause and run the same command again")
+            raise UserError(
+                f"{len(failed)} trials failed in this run (--max-failed-trials {limit}); the last: "
+                f"{last.error} (see {last.run_dir}/error.log); fix the cause and run the same command again"
+            )
 
     # --- worker processes -----------------------------------------------------------------------------
 
@@ -164,8 +169,11 @@ class _Supervisor:
         n = self.placement.slots
         # A command started with SIGINT ignored (`cmd &` in a script, `nohup`) keeps ignoring it, as a
         # one-job sweep does: Python leaves an inherited SIG_IGN alone.
-        stops = [sig for sig in (signal.SIGINT, signal.SIGTERM)
-                 if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN]
+        stops = [
+            sig
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if sig != signal.SIGINT or signal.getsignal(sig) is not signal.SIG_IGN
+        ]
         previous = {sig: signal.signal(sig, self._on_signal) for sig in stops}
         try:
             for index in range(n):
@@ -174,16 +182,20 @@ class _Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._stop_all(signal.SIGTERM)  # whatever went wrong here, no worker outlives the command
+            # whatever went wrong here, no worker outlives the command
+            self._stop_all(signal.SIGTERM)
             for proc in self.procs.values():
                 proc.join()
         if self.stopping is not None:
             raise Interrupted(self.stopping)
 
     def _start(self, index: int) -> None:
-        proc = self.ctx.Process(target=_worker_main,
-                                args=(self.loop, self.backend, index, self.messages, self.placement),
-                                name=f"hpsweep-worker-{index}", daemon=False)
+        proc = self.ctx.Process(
+            target=_worker_main,
+            args=(self.loop, self.backend, index, self.messages, self.placement),
+            name=f"hpsweep-worker-{index}",
+            daemon=False,
+        )
         proc.start()
         self.procs[index] = proc
 
@@ -202,22 +214,34 @@ class _Supervisor:
         if code == 0 or self.stopping is not None:
             return
         if code in (1, 2):
-            kind, message = self.messages.get() if not self.messages.empty() else ("internal", f"exit code {code}")
+            kind, message = (
+                self.messages.get()
+                if not self.messages.empty()
+                else ("internal", f"exit code {code}")
+            )
             self._stop_all(signal.SIGTERM)
             for proc in self.procs.values():
                 proc.join()
             self.procs.clear()
-            raise UserError(message) if kind == "user" else RuntimeError(f"a worker process failed: {message}")
+            raise (
+                UserError(message)
+                if kind == "user"
+                else RuntimeError(f"a worker process failed: {message}")
+            )
         if code in (130, 143):  # stopped by a signal sent to it alone: the sweep goes on without it
             return
         # Killed (kill -9, the OOM killer): its trial's lease died with it and runs again; replace it.
         self.restarts += 1
         if self.restarts > RESTARTS_PER_WORKER * n:
             self._stop_all(signal.SIGTERM)
-            raise RuntimeError(f"{self.restarts} worker processes died (the last with exit code {code}); "
-                               "see the trials' error.log and the system log (out of memory?)")
-        print(f"hpsweep: worker {index} died (exit code {code}); its trial runs again in a new worker",
-              file=sys.stderr)
+            raise RuntimeError(
+                f"{self.restarts} worker processes died (the last with exit code {code}); "
+                "see the trials' error.log and the system log (out of memory?)"
+            )
+        print(
+            f"hpsweep: worker {index} died (exit code {code}); its trial runs again in a new worker",
+            file=sys.stderr,
+        )
         self._start(index)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -234,16 +258,20 @@ class _Supervisor:
                     pass
 
 
-def _worker_main(loop: TrialLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement) -> None:
+def _worker_main(
+    loop: TrialLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement
+) -> None:
     """One ``--n-jobs`` worker: the loop, with the command's death and SIGTERM as interrupts."""
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the command died before we asked
         os._exit(143)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C: the command forwards it once
+    # the terminal's Ctrl-C: the command forwards it once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _received.clear()
     signal.signal(signal.SIGTERM, _raise_interrupted)
-    devices.apply(placement, index)  # before anything here touches CUDA: it reads CUDA_VISIBLE_DEVICES once
+    # before anything here touches CUDA: it reads CUDA_VISIBLE_DEVICES once
+    devices.apply(placement, index)
     code = 0
     try:
         loop.work(backend, index)
@@ -276,7 +304,8 @@ _received: list[int] = []
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
-    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut the trial's record short
+    # once: a second signal must not cut the trial's record short
+    signal.signal(signum, signal.SIG_IGN)
     _received.append(signum)
     raise Interrupted(signum)
 

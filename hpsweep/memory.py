@@ -24,6 +24,7 @@ model alive by a plain reference. What stayed was held by reference cycles or be
 `release` does this as each trial ends, whatever happened, so the next one starts from what the
 first one had.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,8 +33,18 @@ import weakref
 from typing import Any
 
 # ``_step_ops`` holds the run's optimizer and scheduler through their bound ``step`` methods.
-_TRAINER_REFS = ("model", "model_wrapped", "optimizer", "lr_scheduler", "accelerator", "model_init", "optimizers",
-                 "_step_ops", "_train_dataloader", "_eval_dataloader")
+_TRAINER_REFS = (
+    "model",
+    "model_wrapped",
+    "optimizer",
+    "lr_scheduler",
+    "accelerator",
+    "model_init",
+    "optimizers",
+    "_step_ops",
+    "_train_dataloader",
+    "_eval_dataloader",
+)
 
 
 def release(trainer: Any) -> None:
@@ -45,7 +56,11 @@ def release(trainer: Any) -> None:
     cycle holds them (the cases in this module's docstring, or a new one).
     """
     model = getattr(trainer, "model", None)
-    held = [weakref.ref(model), *(weakref.ref(p) for p in list(model.parameters())[:1])] if model is not None else []
+    held = (
+        [weakref.ref(model), *(weakref.ref(p) for p in list(model.parameters())[:1])]
+        if model is not None
+        else []
+    )
     for name in _TRAINER_REFS:
         if hasattr(trainer, name):
             setattr(trainer, name, None)
@@ -113,8 +128,10 @@ def is_cuda_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc)
 
 
-OOM_HINT = ("use a smaller per_device_train_batch_size (gradient_accumulation_steps keeps the effective batch) "
-            "or give each trial a whole GPU with --resources-per-trial gpu=1")
+OOM_HINT = (
+    "use a smaller per_device_train_batch_size (gradient_accumulation_steps keeps the effective batch) "
+    "or give each trial a whole GPU with --resources-per-trial gpu=1"
+)
 
 
 def oom_line(exc: BaseException) -> str:

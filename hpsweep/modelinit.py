@@ -1,5 +1,6 @@
 """Calling the user's ``model_init``: shared by the `Trainer` and the search layer (which builds a
 trial's model before naming its folder), so neither has to import the other."""
+
 from __future__ import annotations
 
 import inspect
@@ -12,12 +13,20 @@ from .errors import UserError
 def model_init_arity(model_init: Callable[..., Any]) -> int:
     """0 or 1: how many arguments ``model_init`` takes (a `UserError` for anything else)."""
     if not callable(model_init):
-        raise UserError(f"model_init is {model_init!r}; define a function returning a fresh torch.nn.Module")
+        raise UserError(
+            f"model_init is {model_init!r}; define a function returning a fresh torch.nn.Module"
+        )
     signature = inspect.signature(model_init).parameters
-    required = [p for p in signature.values()
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p
+        for p in signature.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if len(required) > 1:
-        raise UserError(f"model_init takes {len(required)} arguments; it takes none, or one: the trial")
+        raise UserError(
+            f"model_init takes {len(required)} arguments; it takes none, or one: the trial"
+        )
     # `def model_init(trial=None)` (HF style) takes the trial; `MyNet(hidden=16)` does not.
     return 1 if required or "trial" in signature else 0
 
@@ -28,8 +37,10 @@ def call_model_init(model_init: Callable[..., Any], trial: Any = None) -> Any:
 
     model = model_init(trial) if model_init_arity(model_init) == 1 else model_init()
     if not isinstance(model, torch.nn.Module):
-        raise UserError(f"model_init returned {type(model).__name__ if model is not None else 'None'}; "
-                        "it must return a fresh torch.nn.Module (did you forget `return model`?)")
+        raise UserError(
+            f"model_init returned {type(model).__name__ if model is not None else 'None'}; "
+            "it must return a fresh torch.nn.Module (did you forget `return model`?)"
+        )
     return model
 
 
@@ -40,13 +51,18 @@ def set_seed(seed: int, full_determinism: bool = False) -> None:
     those need. Like transformers, it stays so for the rest of the process."""
     from accelerate.utils import set_seed as accelerate_set_seed
 
-    accelerate_set_seed(seed, deterministic=full_determinism)  # deterministic: torch's deterministic algorithms
+    # deterministic: torch's deterministic algorithms
+    accelerate_set_seed(seed, deterministic=full_determinism)
     if full_determinism:
         import os
 
         import torch
 
-        os.environ.update(CUDA_LAUNCH_BLOCKING="1", CUBLAS_WORKSPACE_CONFIG=":16:8", FLASH_ATTENTION_DETERMINISTIC="1")
+        os.environ.update(
+            CUDA_LAUNCH_BLOCKING="1",
+            CUBLAS_WORKSPACE_CONFIG=":16:8",
+            FLASH_ATTENTION_DETERMINISTIC="1",
+        )
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
@@ -60,9 +76,13 @@ def enable_activation_checkpointing(model: Any, args: Any) -> None:
     kwargs = dict(args.activation_checkpointing_kwargs or {})
     layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **layers)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, **layers
+        )
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **layers)
     else:
-        raise UserError(f"activation_checkpointing=True: {type(model).__name__} has no activation_checkpointing_enable() "
-                        "(transformers' models have it); call torch.utils.checkpoint.checkpoint in its forward instead")
+        raise UserError(
+            f"activation_checkpointing=True: {type(model).__name__} has no activation_checkpointing_enable() "
+            "(transformers' models have it); call torch.utils.checkpoint.checkpoint in its forward instead"
+        )

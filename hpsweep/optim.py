@@ -10,6 +10,7 @@ params (floating-point tensors on CPU, CUDA, MPS, XPU), as transformers' default
 optimizer's time on a small MLP here (bench/README.md). ``adamw_torch`` is torch's default
 implementation.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,20 @@ from .errors import UserError
 
 #: optim name -> torch.optim class name; each gets the arguments below that it takes.
 _TORCH_CLASSES = {
-    "adamw": "AdamW", "adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adamw_hf": "AdamW",
-    "adam": "Adam", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop", "adadelta": "Adadelta",
-    "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "rprop": "Rprop", "asgd": "ASGD",
+    "adamw": "AdamW",
+    "adamw_torch": "AdamW",
+    "adamw_torch_fused": "AdamW",
+    "adamw_hf": "AdamW",
+    "adam": "Adam",
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+    "rmsprop": "RMSprop",
+    "adadelta": "Adadelta",
+    "adamax": "Adamax",
+    "nadam": "NAdam",
+    "radam": "RAdam",
+    "rprop": "Rprop",
+    "asgd": "ASGD",
 }
 _ADAM_LIKE = {"AdamW", "Adam", "Adamax", "NAdam", "RAdam"}
 
@@ -43,27 +55,38 @@ def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.o
     for name, param in model.named_parameters():
         if param.requires_grad:
             (decay if name in names else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     if not args.weight_decay:
         groups = [{"params": decay + no_decay, "weight_decay": 0.0}]
     cls, kwargs = optimizer_cls_and_kwargs(args, decay + no_decay)
     return cls(groups, **kwargs)
 
 
-def optimizer_cls_and_kwargs(args: TrainingArguments, params: list[torch.Tensor] | None = None) -> tuple[type, dict]:
+def optimizer_cls_and_kwargs(
+    args: TrainingArguments, params: list[torch.Tensor] | None = None
+) -> tuple[type, dict]:
     """The optimizer class ``args.optim`` names and its keyword arguments from ``args``, as
     transformers' ``Trainer.get_optimizer_cls_and_kwargs``. The default, ``adamw``, takes the fused
     kernel when ``params`` are given and all have one (without them, torch's default kernel)."""
     if args.optim == "adafactor":
-        return _adafactor(), {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False,
-                              **_from_optim_args(args, "Adafactor")}  # nothing, as in transformers: says so
+        return _adafactor(), {
+            "lr": args.learning_rate,
+            "scale_parameter": False,
+            "relative_step": False,
+            **_from_optim_args(args, "Adafactor"),
+        }  # nothing, as in transformers: says so
     cls_name = _TORCH_CLASSES[args.optim]
     kwargs: dict[str, Any] = {"lr": args.learning_rate}
     if cls_name in _ADAM_LIKE:
         kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     elif cls_name in ("SGD", "RMSprop"):
         kwargs["momentum"] = args.momentum
-    if args.optim == "adamw_torch_fused" or (args.optim == "adamw" and params is not None and _fusable(params)):
+    if args.optim == "adamw_torch_fused" or (
+        args.optim == "adamw" and params is not None and _fusable(params)
+    ):
         kwargs["fused"] = True
     kwargs.update(_from_optim_args(args, cls_name))
     return getattr(torch.optim, cls_name), kwargs
@@ -71,9 +94,11 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, params: list[torch.Tensor]
 
 #: What transformers' get_optimizer_cls_and_kwargs reads from ``optim_args`` for each torch optimizer
 #: hpsweep offers (the others it reads it for, GaLore, LOMO and the like, are not offered here).
-_OPTIM_ARGS = {"SGD": ("momentum", "dampening", "weight_decay", "nesterov"),
-               "Adagrad": ("lr_decay", "weight_decay", "eps"),
-               "RMSprop": ("momentum", "alpha", "eps", "weight_decay", "centered")}
+_OPTIM_ARGS = {
+    "SGD": ("momentum", "dampening", "weight_decay", "nesterov"),
+    "Adagrad": ("lr_decay", "weight_decay", "eps"),
+    "RMSprop": ("momentum", "alpha", "eps", "weight_decay", "centered"),
+}
 
 
 def _from_optim_args(args: TrainingArguments, cls_name: str) -> dict[str, Any]:
@@ -82,18 +107,29 @@ def _from_optim_args(args: TrainingArguments, cls_name: str) -> dict[str, Any]:
     and a warning here says so."""
     if not args.optim_args:
         return {}
-    pairs = dict(item.partition("=")[::2] for item in args.optim_args.replace(" ", "").split(",") if item)
+    pairs = dict(
+        item.partition("=")[::2] for item in args.optim_args.replace(" ", "").split(",") if item
+    )
     taken = _OPTIM_ARGS.get(cls_name, ())
     ignored = [key for key in pairs if key not in taken]
     if ignored:
-        warnings.warn(f"optim_args: {', '.join(ignored)} change nothing with optim={args.optim!r}, as in transformers "
-                      f"(it reads {', '.join(taken) or 'nothing'} for it)", stacklevel=3)
+        warnings.warn(
+            f"optim_args: {', '.join(ignored)} change nothing with optim={args.optim!r}, as in transformers "
+            f"(it reads {', '.join(taken) or 'nothing'} for it)",
+            stacklevel=3,
+        )
     try:
-        return {key: value.lower() in ("true", "1", "yes") if key in ("nesterov", "centered") else float(value)
-                for key, value in pairs.items() if key in taken}
+        return {
+            key: value.lower() in ("true", "1", "yes")
+            if key in ("nesterov", "centered")
+            else float(value)
+            for key, value in pairs.items()
+            if key in taken
+        }
     except ValueError:
-        raise UserError(f"optim_args={args.optim_args!r}: write key=number pairs, e.g. 'momentum=0.9,nesterov=true'") \
-            from None
+        raise UserError(
+            f"optim_args={args.optim_args!r}: write key=number pairs, e.g. 'momentum=0.9,nesterov=true'"
+        ) from None
 
 
 #: What transformers' ``Trainer.get_decay_parameter_names`` leaves out of weight decay, by name.
@@ -103,11 +139,17 @@ _NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm
 def decay_parameter_names(model: torch.nn.Module) -> list[str]:
     """The names of the params that take weight decay, by transformers' rule: all but those in a
     ``LayerNorm`` and those whose name (lower-cased) says bias, layernorm, rmsnorm or norm."""
-    in_layer_norm = {f"{prefix}.{name}" if prefix else name
-                     for prefix, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
-                     for name, _ in module.named_parameters()}
-    return [name for name, _ in model.named_parameters()
-            if name not in in_layer_norm and not _NO_DECAY_NAMES.search(name.lower())]
+    in_layer_norm = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, torch.nn.LayerNorm)
+        for name, _ in module.named_parameters()
+    }
+    return [
+        name
+        for name, _ in model.named_parameters()
+        if name not in in_layer_norm and not _NO_DECAY_NAMES.search(name.lower())
+    ]
 
 
 #: Where torch.optim has fused Adam kernels (torch.optim.optimizer._get_fused_kernels_supported_devices).
@@ -117,8 +159,12 @@ _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu")
 def _fusable(params: list[torch.Tensor]) -> bool:
     """Every param a plain floating-point tensor on a device with fused kernels: what torch checks
     at the first step of a ``fused=True`` optimizer."""
-    return bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and torch.is_floating_point(p)
-                                and p.device.type in _FUSED_DEVICES for p in params)
+    return bool(params) and all(
+        type(p) in (torch.Tensor, torch.nn.Parameter)
+        and torch.is_floating_point(p)
+        and p.device.type in _FUSED_DEVICES
+        for p in params
+    )
 
 
 def _adafactor() -> type:
@@ -126,12 +172,15 @@ def _adafactor() -> type:
     try:
         from transformers.optimization import Adafactor
     except ImportError:
-        raise UserError("optim='adafactor' is transformers' Adafactor; install it: pip install transformers") from None
+        raise UserError(
+            "optim='adafactor' is transformers' Adafactor; install it: pip install transformers"
+        ) from None
     return Adafactor
 
 
-def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
-                     total: int) -> torch.optim.lr_scheduler.LRScheduler:
+def create_scheduler(
+    optimizer: torch.optim.Optimizer, args: TrainingArguments, total: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     """``args.lr_scheduler_type`` with warmup over ``total`` optimizer steps: transformers.get_scheduler's
     curves, its formulas step for step (so the same learning rates to the bit), and its
     ``lr_scheduler_kwargs`` (``num_cycles`` for the cosines, ``lr_end`` and ``power`` for
@@ -139,9 +188,15 @@ def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
     warmup = args.warmup_for(total)
     kind, kwargs = args.lr_scheduler_type, args.lr_scheduler_kwargs or {}
     cycles = float(kwargs.get("num_cycles", 0.5 if kind == "cosine" else 1))
-    lr_init, lr_end, power = optimizer.defaults.get("lr") or 0.0, kwargs.get("lr_end", 1e-7), kwargs.get("power", 1.0)
+    lr_init, lr_end, power = (
+        optimizer.defaults.get("lr") or 0.0,
+        kwargs.get("lr_end", 1e-7),
+        kwargs.get("power", 1.0),
+    )
     if kind == "polynomial" and not lr_init > lr_end:
-        raise UserError(f"lr_scheduler_kwargs lr_end={lr_end} must be smaller than learning_rate={lr_init}")
+        raise UserError(
+            f"lr_scheduler_kwargs lr_end={lr_end} must be smaller than learning_rate={lr_init}"
+        )
 
     def factor(step: int) -> float:
         if kind == "constant":

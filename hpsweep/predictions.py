@@ -6,6 +6,7 @@ element (a ``(loss, logits, ...)`` tuple). The predictions are everything else i
 array, or a tuple of arrays when there are several, as transformers passes them to
 ``compute_metrics``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -22,7 +23,9 @@ from .callbacks import EvalPrediction
 class HFEvalPrediction(EvalPrediction):
     """An `EvalPrediction` with transformers' ``inputs`` and ``losses`` (``include_for_metrics``)."""
 
-    def __new__(cls, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> HFEvalPrediction:
+    def __new__(
+        cls, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None
+    ) -> HFEvalPrediction:
         self = super().__new__(cls, predictions, label_ids)
         self.inputs, self.losses = inputs, losses
         return self
@@ -47,20 +50,30 @@ def loss_of(outputs: Any) -> Any:
     return getattr(outputs, "loss", None)
 
 
-def label_smoothed_loss(model: Any, outputs: Any, labels: torch.Tensor, epsilon: float,
-                        num_items_in_batch: Any = None) -> torch.Tensor:
+def label_smoothed_loss(
+    model: Any, outputs: Any, labels: torch.Tensor, epsilon: float, num_items_in_batch: Any = None
+) -> torch.Tensor:
     """transformers' ``LabelSmoother`` (``label_smoothing_factor``): the cross-entropy of the logits
     against labels smoothed by ``epsilon`` (torch's ``label_smoothing``, the same formula), labels
     of -100 left out, over ``num_items_in_batch`` when given; a causal language model's labels are
     shifted one token left, as there."""
-    logits = outputs if isinstance(outputs, torch.Tensor) else \
-        outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]  # called without labels: no loss first
+    logits = (
+        outputs
+        if isinstance(outputs, torch.Tensor)
+        else outputs["logits"]
+        if isinstance(outputs, Mapping)
+        else outputs[0]
+    )  # called without labels: no loss first
     if _kind(model) == "causal_lm":
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     mean = num_items_in_batch is None
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100, label_smoothing=epsilon,
-                                             reduction="mean" if mean else "sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=epsilon,
+        reduction="mean" if mean else "sum",
+    )
     return loss if mean else loss / num_items_in_batch
 
 
@@ -87,9 +100,16 @@ def _model_kind(model: Any) -> str:
     from .accel import bare_model
 
     model = bare_model(model)
-    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
-        warnings.warn("label_smoothing_factor does not apply to multi-label classification; this model trains "
-                      "without it, as on transformers' Trainer", UserWarning, stacklevel=4)
+    if (
+        getattr(getattr(model, "config", None), "problem_type", None)
+        == "multi_label_classification"
+    ):
+        warnings.warn(
+            "label_smoothing_factor does not apply to multi-label classification; this model trains "
+            "without it, as on transformers' Trainer",
+            UserWarning,
+            stacklevel=4,
+        )
         return "multi_label"
     if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return ""
@@ -116,7 +136,9 @@ def predictions_of(outputs: Any, *, loss_inside: bool, ignore_keys: Sequence[str
     if isinstance(outputs, torch.Tensor):
         found: tuple = () if loss_inside else (outputs,)
     elif isinstance(outputs, Mapping):
-        found = tuple(v for k, v in outputs.items() if k != "loss" and k not in ignore_keys and v is not None)
+        found = tuple(
+            v for k, v in outputs.items() if k != "loss" and k not in ignore_keys and v is not None
+        )
     elif isinstance(outputs, (tuple, list)):
         found = tuple(v for v in (outputs[1:] if loss_inside else outputs) if v is not None)
     else:
@@ -134,7 +156,9 @@ def ignore_keys_for(model: Any) -> list[str]:
 def main_input(batch: Any, model: Any) -> Any:
     """The model's main input in a batch (``include_for_metrics=["inputs"]``)."""
     if isinstance(batch, Mapping):
-        return batch.get(getattr(model, "main_input_name", "input_ids"), next(iter(batch.values()), None))
+        return batch.get(
+            getattr(model, "main_input_name", "input_ids"), next(iter(batch.values()), None)
+        )
     return batch[0] if isinstance(batch, (list, tuple)) else batch
 
 
@@ -168,16 +192,27 @@ def concat(parts: list[Any]) -> Any:
     arrays = [np.atleast_1d(np.asarray(p)) for p in parts]
     shape = tuple(max(s) for s in zip(*(a.shape[1:] for a in arrays)))
     if any(a.shape[1:] != shape for a in arrays):
-        arrays = [np.pad(a, [(0, 0)] + [(0, m - n) for n, m in zip(a.shape[1:], shape)], constant_values=-100)
-                  for a in arrays]
+        arrays = [
+            np.pad(
+                a, [(0, 0)] + [(0, m - n) for n, m in zip(a.shape[1:], shape)], constant_values=-100
+            )
+            for a in arrays
+        ]
     return np.concatenate(arrays)
 
 
 class PredictionCollector:
     """Gathers one evaluation's predictions, labels (and inputs / losses when asked) batch by batch."""
 
-    def __init__(self, accelerator: Any, *, model: Any, enabled: bool, preprocess: Callable[[Any, Any], Any] | None,
-                 include: Sequence[str]) -> None:
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        model: Any,
+        enabled: bool,
+        preprocess: Callable[[Any, Any], Any] | None,
+        include: Sequence[str],
+    ) -> None:
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
         self.preprocess, self.include = preprocess, set(include)
         self.preds: list[Any] = []
@@ -185,7 +220,9 @@ class PredictionCollector:
         self.inputs: list[Any] = []
         self.losses: list[Any] = []
 
-    def add(self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, logits: Any) -> None:
+    def add(
+        self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, logits: Any
+    ) -> None:
         """One batch's `prediction_step` results; ``loss`` None for a batch that gave none."""
         if not self.enabled:
             return
@@ -204,6 +241,9 @@ class PredictionCollector:
     def result(self) -> HFEvalPrediction | None:
         if not self.preds:
             return None
-        return HFEvalPrediction(concat(self.preds), concat(self.labels) if self.labels else None,
-                                inputs=concat(self.inputs) if self.inputs else None,
-                                losses=concat(self.losses) if self.losses else None)
+        return HFEvalPrediction(
+            concat(self.preds),
+            concat(self.labels) if self.labels else None,
+            inputs=concat(self.inputs) if self.inputs else None,
+            losses=concat(self.losses) if self.losses else None,
+        )

@@ -3,6 +3,7 @@
 Reading ``run-*/trial.json`` (through a `runs.TrialIndex`, so only records that changed) works the
 same for every backend and every process or node that writes there, so the display needs no hook in them.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,14 +27,24 @@ class SweepProgress:
     written whole, with the count, the best so far and the time left at its end; rich is imported
     when the first line is (~20 ms of the GIL the first trial would otherwise train without)."""
 
-    def __init__(self, output_dir: Path, *, n_trials: int | None, timeout: float | None, directions: list[str],
-                 objective_name: str, interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        n_trials: int | None,
+        timeout: float | None,
+        directions: list[str],
+        objective_name: str,
+        interval: float = 0.5,
+    ) -> None:
         self.output_dir, self.n_trials, self.timeout = output_dir, n_trials, timeout
         self.directions, self.objective_name, self.interval = directions, objective_name, interval
-        self._console: Any = _console() if _may_draw() else None  # rich decides now: the bar shows from the start
+        # rich decides now: the bar shows from the start
+        self._console: Any = _console() if _may_draw() else None
         self._progress: Any = None
         self._printed: set[str] = set()
-        self._index = runs.TrialIndex(output_dir)  # its own: it is refreshed on the display's thread
+        # its own: it is refreshed on the display's thread
+        self._index = runs.TrialIndex(output_dir)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -46,18 +57,34 @@ class SweepProgress:
 
     def start(self) -> None:
         self._start = time.monotonic()
-        self._finished_before = {r.id for r in runs.read_trials(self.output_dir) if r.state != "running"}
+        self._finished_before = {
+            r.id for r in runs.read_trials(self.output_dir) if r.state != "running"
+        }
         if self._console is not None and (self._console.is_terminal or self._console.is_jupyter):
             self._start_bar()
         self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
         self._thread.start()
 
     def _start_bar(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
-        self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                  TextColumn("{task.fields[left]}"), TextColumn("{task.fields[best]}"),
-                                  console=self.console, transient=True, refresh_per_second=1 / self.interval)
+        self._progress = Progress(
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[left]}"),
+            TextColumn("{task.fields[best]}"),
+            console=self.console,
+            transient=True,
+            refresh_per_second=1 / self.interval,
+        )
         self._task = self._progress.add_task("sweep", total=self.n_trials, left="", best="")
         self._progress.start()
 
@@ -78,7 +105,9 @@ class SweepProgress:
 
     def _tick(self) -> None:
         records = self._read()
-        done = sorted((r for r in records if r.state != "running"), key=lambda r: r.finished_at or 0)
+        done = sorted(
+            (r for r in records if r.state != "running"), key=lambda r: r.finished_at or 0
+        )
         for r in done:
             if r.id not in self._printed and r.id not in self._finished_before:
                 self._print_trial(r, done)
@@ -117,9 +146,15 @@ class SweepProgress:
             self.console.print(line, highlight=False, no_wrap=True, overflow="ellipsis")
             return
         # A log keeps every param, on one line, and what the bar would show as of this trial's end.
-        so_far = done[:done.index(r) + 1]
-        status = (f"{len(so_far)}/{self.n_trials or '?'} done", self._best_text(so_far), self._time_left(so_far))
-        self.console.print(f"{line}  ({', '.join(filter(None, status))})", highlight=False, soft_wrap=True)
+        so_far = done[: done.index(r) + 1]
+        status = (
+            f"{len(so_far)}/{self.n_trials or '?'} done",
+            self._best_text(so_far),
+            self._time_left(so_far),
+        )
+        self.console.print(
+            f"{line}  ({', '.join(filter(None, status))})", highlight=False, soft_wrap=True
+        )
 
     def _read(self) -> list[runs.TrialRecord]:
         self._index.refresh()
@@ -137,9 +172,20 @@ def _may_draw() -> bool:
     the variables rich reads says to draw as on a terminal. Otherwise (a pipe or a file) it cannot,
     and rich is left unimported until there is a line to write."""
     isatty = getattr(sys.stderr, "isatty", None)
-    return (bool(isatty and isatty()) or "IPython" in sys.modules
-            or any(os.environ.get(name) for name in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE",
-                                                     "JUPYTER_COLUMNS", "DATABRICKS_RUNTIME_VERSION")))
+    return (
+        bool(isatty and isatty())
+        or "IPython" in sys.modules
+        or any(
+            os.environ.get(name)
+            for name in (
+                "FORCE_COLOR",
+                "TTY_INTERACTIVE",
+                "TTY_COMPATIBLE",
+                "JUPYTER_COLUMNS",
+                "DATABRICKS_RUNTIME_VERSION",
+            )
+        )
+    )
 
 
 def _fmt(value: Any) -> str:

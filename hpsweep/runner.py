@@ -2,6 +2,7 @@
 or a Ray worker calls per trial), records it in ``run-<id>/trial.json`` and promotes it to
 ``best/`` when it beats the best so far. What stops a trial (a prune, a failure, Ctrl-C, a full
 disk, a mistake every trial would make) is recorded here, in one place for every backend."""
+
 from __future__ import annotations
 
 import errno
@@ -72,17 +73,32 @@ class TrialRunner:
             run_dir = Path(again.run_dir)
             resume_from = _resume_point(run_dir, str(latest) if latest is not None else None)
         else:
-            name = _call_hp_name(job.hp_name, trial) if job.hp_name and isinstance(built, _Prebuilt) else None
+            name = (
+                _call_hp_name(job.hp_name, trial)
+                if job.hp_name and isinstance(built, _Prebuilt)
+                else None
+            )
             run_dir = runs.run_dir_for(job.output_dir, trial.id, name)
-            resume_from = _resume_point(run_dir, trial.user_attrs.get("resume_from"))  # a backend's own (Ray)
+            # a backend's own (Ray)
+            resume_from = _resume_point(run_dir, trial.user_attrs.get("resume_from"))
         fresh = not run_dir.exists()
-        record = runs.TrialRecord(id=trial.id, number=trial.number, backend=self.backend, params=dict(trial.params),
-                                  objective_name=job.objective_name, directions=list(job.directions),
-                                  run_dir=str(run_dir), resumed_from=resume_from,
-                                  attempts=again.attempts + 1 if again is not None else 1,
-                                  user_attrs={**_plain_attrs(trial.user_attrs), "pid": os.getpid(),
-                                              "host": socket.gethostname(),
-                                              **devices.trial_devices(job.processes_per_trial)})
+        record = runs.TrialRecord(
+            id=trial.id,
+            number=trial.number,
+            backend=self.backend,
+            params=dict(trial.params),
+            objective_name=job.objective_name,
+            directions=list(job.directions),
+            run_dir=str(run_dir),
+            resumed_from=resume_from,
+            attempts=again.attempts + 1 if again is not None else 1,
+            user_attrs={
+                **_plain_attrs(trial.user_attrs),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                **devices.trial_devices(job.processes_per_trial),
+            },
+        )
         try:
             args = _trial_args(job, trial.params, run_dir)
             record.save()
@@ -95,54 +111,81 @@ class TrialRunner:
                 outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
             else:
                 outcome = self.train_here(trial, built, args, extra, resume_from)
-            record.params = dict(trial.params)  # define-by-run model_init(trial) may have added some
+            # define-by-run model_init(trial) may have added some
+            record.params = dict(trial.params)
             record.history = outcome.history
             if outcome.pruned:
                 record.finish("pruned")
-                raise TrialPruned(f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}")
+                raise TrialPruned(
+                    f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}"
+                )
             record.metrics, record.checkpoint = outcome.metrics, outcome.checkpoint
             record.finish("complete", objective=job.objective_value(outcome.metrics))
         except (TrialPruned, TrialFailed):
             raise
-        except (UserError, ImportError) as exc:  # no params can fix these: the sweep stops, nothing is recorded
+        except (
+            UserError,
+            ImportError,
+        ) as exc:  # no params can fix these: the sweep stops, nothing is recorded
             if fresh:
                 shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, ImportError):
                 raise _missing_package(trial, exc) from None
             raise
         except Exception as exc:
-            if disk_full(exc):  # a full disk fails every trial alike: stop, and leave the trial to resume
+            # a full disk fails every trial alike: stop, and leave the trial to resume
+            if disk_full(exc):
                 _finish_quietly(record, "stopped", "the disk was full")
-                raise UserError(f"no space left on the disk of {job.output_dir} while trial {trial.number} "
-                                "ran; free some space and run the same command again") from None
+                raise UserError(
+                    f"no space left on the disk of {job.output_dir} while trial {trial.number} "
+                    "ran; free some space and run the same command again"
+                ) from None
             self._fail(record, run_dir, trial, exc)
         except BaseException:  # Ctrl-C, SIGTERM, or a scheduler stopping the worker
             _finish_quietly(record, "stopped", None)
             raise
         finally:
-            if record.state != "running":  # a user error before the trial ran ends the sweep instead
+            # a user error before the trial ran ends the sweep instead
+            if record.state != "running":
                 for sc in job.sweep_callbacks:
                     sc.on_trial_end(record)
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
 
-    def train_here(self, trial: Trial, built: Any, args: TrainingArguments, callbacks: list[TrainerCallback],
-                   resume_from: str | None) -> TrainOutcome:
+    def train_here(
+        self,
+        trial: Trial,
+        built: Any,
+        args: TrainingArguments,
+        callbacks: list[TrainerCallback],
+        resume_from: str | None,
+    ) -> TrainOutcome:
         """Train ``trial`` in this process (the whole trial, or one data-parallel rank of it) and
         release its memory, whatever happens."""
         job = self.job
         reporter = TrialReporter(trial, job.objective_value)
-        trainer = job.trainer_cls(model_init=built, args=args, train_dataset=job.train_dataset,
-                                  eval_dataset=job.eval_dataset, data_collator=job.data_collator,
-                                  compute_metrics=job.compute_metrics,
-                                  callbacks=[*job.callbacks, *callbacks, reporter], **job.trainer_kwargs)
+        trainer = job.trainer_cls(
+            model_init=built,
+            args=args,
+            train_dataset=job.train_dataset,
+            eval_dataset=job.eval_dataset,
+            data_collator=job.data_collator,
+            compute_metrics=job.compute_metrics,
+            callbacks=[*job.callbacks, *callbacks, reporter],
+            **job.trainer_kwargs,
+        )
         try:
             trainer.train(resume_from_checkpoint=resume_from, trial=trial)
             if reporter.pruned:
                 return TrainOutcome(True, _eval_history(trainer), trainer.state.num_evaluations)
             metrics = _final_metrics(trainer)  # may evaluate once more
-            return TrainOutcome(False, _eval_history(trainer), trainer.state.num_evaluations, metrics,
-                                _final_checkpoint(trainer).name)
+            return TrainOutcome(
+                False,
+                _eval_history(trainer),
+                trainer.state.num_evaluations,
+                metrics,
+                _final_checkpoint(trainer).name,
+            )
         finally:
             if isinstance(built, _Prebuilt):
                 built.model = None  # handed over: the trainer's reference is the last one
@@ -153,7 +196,9 @@ class TrialRunner:
         line = error_line(exc)
         record.finish("failed", error=line)
         # A data-parallel rank's error carries that process's traceback; ours would only show the relay.
-        (run_dir / "error.log").write_text(getattr(exc, "rank_traceback", None) or traceback.format_exc())
+        (run_dir / "error.log").write_text(
+            getattr(exc, "rank_traceback", None) or traceback.format_exc()
+        )
         # The failed frames hold the trial's tensors (an OOM's activations): free them before the next trial.
         traceback.clear_frames(exc.__traceback__)
         memory.collect()
@@ -162,15 +207,18 @@ class TrialRunner:
 
 def error_line(exc: BaseException) -> str:
     """How a failed trial's error reads in its trial.json (one line for a CUDA out-of-memory error)."""
-    name = getattr(exc, "type_name", None) or type(exc).__name__  # a rank's error that travelled as text
+    # a rank's error that travelled as text
+    name = getattr(exc, "type_name", None) or type(exc).__name__
     line = memory.oom_line(exc) if memory.is_cuda_oom(exc) else f"{name}: {exc}"
     rank = getattr(exc, "rank", None)
     return line if rank is None else f"{line} (in data-parallel process {rank})"
 
 
 def _missing_package(trial: Trial, exc: ImportError) -> UserError:
-    return UserError(f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing and run the "
-                     "same command again")
+    return UserError(
+        f"trial {trial.number}: {type(exc).__name__}: {exc}; install what is missing and run the "
+        "same command again"
+    )
 
 
 def disk_full(exc: BaseException) -> bool:
@@ -221,9 +269,13 @@ def _call_hp_name(hp_name: Callable[[Trial], str], trial: Trial) -> str:
     try:
         name = hp_name(trial)
     except Exception as exc:
-        raise UserError(f"hp_name(trial) raised {type(exc).__name__}: {exc}; fix hp_name in the space file") from None
+        raise UserError(
+            f"hp_name(trial) raised {type(exc).__name__}: {exc}; fix hp_name in the space file"
+        ) from None
     if not isinstance(name, str) or not name.strip():
-        raise UserError(f"hp_name(trial) returned {name!r}; return a non-empty string naming the run folder")
+        raise UserError(
+            f"hp_name(trial) returned {name!r}; return a non-empty string naming the run folder"
+        )
     return name
 
 
@@ -254,8 +306,14 @@ def _plain_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
 def _trial_args(job: SweepJob, params: Mapping[str, Any], run_dir: Path) -> TrainingArguments:
     args = apply_params(job.args, params, model_takes_trial=job.model_takes_trial)
     changes: dict[str, Any] = {"output_dir": str(run_dir), "disable_progress": True}
-    if args.metric_for_best_model is None and isinstance(job.objective, str) and len(job.directions) == 1:
-        changes.update(metric_for_best_model=job.objective, greater_is_better=job.directions[0] == "maximize")
+    if (
+        args.metric_for_best_model is None
+        and isinstance(job.objective, str)
+        and len(job.directions) == 1
+    ):
+        changes.update(
+            metric_for_best_model=job.objective, greater_is_better=job.directions[0] == "maximize"
+        )
     return args.replace(**changes)
 
 
@@ -290,7 +348,11 @@ def _call_hp_space(hp_space: Callable[[Trial], Any], trial: Trial) -> dict[str, 
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"hp_space(trial) raised {type(exc).__name__}: {exc}; fix hp_space in the space file") from None
+        raise UserError(
+            f"hp_space(trial) raised {type(exc).__name__}: {exc}; fix hp_space in the space file"
+        ) from None
     if not isinstance(params, Mapping):
-        raise UserError(f"hp_space(trial) returned {type(params).__name__}; return a dict of name -> value")
+        raise UserError(
+            f"hp_space(trial) returned {type(params).__name__}; return a dict of name -> value"
+        )
     return dict(params)

@@ -7,12 +7,13 @@ classes into its own (Optuna distributions, Ray Tune domains, W&B sweep paramete
     ...          "per_device_train_batch_size": Categorical([16, 32, 64]),
     ...          "hidden": Int(32, 256, step=32)}
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from .errors import UserError
 
@@ -29,7 +30,9 @@ class Float:
     def __post_init__(self) -> None:
         _check_bounds(self, self.low, self.high)
         if self.log and self.low <= 0:
-            raise UserError(f"{self!r}: a log-scale range needs low > 0; raise low or drop log=True")
+            raise UserError(
+                f"{self!r}: a log-scale range needs low > 0; raise low or drop log=True"
+            )
         if self.step is not None and self.log:
             raise UserError(f"{self!r}: step and log=True cannot be combined; choose one")
         if self.step is not None and not self.step > 0:
@@ -37,7 +40,9 @@ class Float:
 
     def grid(self) -> list[float]:
         if self.step is None:
-            raise UserError(f"{self!r} has no step: a grid search needs Float(..., step=...) or Categorical")
+            raise UserError(
+                f"{self!r} has no step: a grid search needs Float(..., step=...) or Categorical"
+            )
         n = int(math.floor((self.high - self.low) / self.step + 1e-9))
         return [round(self.low + i * self.step, 12) for i in range(n + 1)]
 
@@ -58,7 +63,9 @@ class Int:
         for name in ("low", "high", "step"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise UserError(f"{self!r}: {name} must be an int, got {value!r}; use Float for real numbers")
+                raise UserError(
+                    f"{self!r}: {name} must be an int, got {value!r}; use Float for real numbers"
+                )
         _check_bounds(self, self.low, self.high)
         if self.step < 1:
             raise UserError(f"{self!r}: step must be >= 1")
@@ -80,7 +87,9 @@ class Categorical:
 
     def __init__(self, choices: Sequence[Any]) -> None:
         if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-            raise UserError(f"Categorical({choices!r}): choices must be a list, e.g. Categorical([16, 32])")
+            raise UserError(
+                f"Categorical({choices!r}): choices must be a list, e.g. Categorical([16, 32])"
+            )
         if len(choices) == 0:
             raise UserError("Categorical([]): give at least one choice")
         for choice in choices:
@@ -98,12 +107,16 @@ class Categorical:
         return value in self.choices
 
 
-Distribution = Union[Float, Int, Categorical]
+Distribution = Float | Int | Categorical
 
 
 def _check_bounds(dist: Any, low: Any, high: Any) -> None:
     for value in (low, high):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise UserError(f"{dist!r}: bounds must be finite numbers, got {value!r}")
     if low > high:
         raise UserError(f"{dist!r}: low ({low}) > high ({high}); swap them")
@@ -117,7 +130,9 @@ def validate_space(space: Any) -> dict[str, Distribution]:
         )
     for name, dist in space.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise UserError(f"space key {name!r} is not a valid parameter name; use a Python identifier")
+            raise UserError(
+                f"space key {name!r} is not a valid parameter name; use a Python identifier"
+            )
         if not isinstance(dist, (Float, Int, Categorical)):
             raise UserError(
                 f"space[{name!r}] is {dist!r}; use hpsweep.Float(low, high), hpsweep.Int(low, high) "
@@ -133,6 +148,11 @@ def space_to_json(space: Mapping[str, Distribution]) -> dict[str, dict[str, Any]
         if isinstance(dist, Categorical):
             out[name] = {"type": "categorical", "choices": list(dist.choices)}
         else:
-            out[name] = {"type": type(dist).__name__.lower(), "low": dist.low, "high": dist.high,
-                         "log": dist.log, "step": dist.step}
+            out[name] = {
+                "type": type(dist).__name__.lower(),
+                "low": dist.low,
+                "high": dist.high,
+                "log": dist.log,
+                "step": dist.step,
+            }
     return out

@@ -3,6 +3,7 @@
 `Trainer.train` calls `step_ops` once per run and then only the operations it returns, so the
 loop reads the same in both cases.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,9 @@ class StepOps(NamedTuple):
     scheduler_step: Callable[[], Any]
 
 
-def step_ops(acc: Any, args: TrainingArguments, optimizer: Any, scheduler: Any, train_dl: Any) -> StepOps:
+def step_ops(
+    acc: Any, args: TrainingArguments, optimizer: Any, scheduler: Any, train_dl: Any
+) -> StepOps:
     """The per-step operations of one run (``acc`` and the objects it prepared).
 
     On one process, without mixed precision or gradient accumulation, accelerate's wrappers do
@@ -46,19 +49,44 @@ def step_ops(acc: Any, args: TrainingArguments, optimizer: Any, scheduler: Any, 
     from accelerate.scheduler import AcceleratedScheduler
     from accelerate.utils import DistributedType
 
-    plain = (os.environ.get("HPSWEEP_ACCELERATE_WRAPPERS", "").lower() != "always"
-             and acc.distributed_type == DistributedType.NO and acc.num_processes == 1
-             and acc.mixed_precision == "no" and acc.scaler is None and args.gradient_accumulation_steps == 1
-             and type(optimizer) is AcceleratedOptimizer and type(scheduler) is AcceleratedScheduler
-             and type(train_dl) is DataLoaderShard and not train_dl.skip_batches
-             and not getattr(train_dl, "use_stateful_dataloader", False))
+    plain = (
+        os.environ.get("HPSWEEP_ACCELERATE_WRAPPERS", "").lower() != "always"
+        and acc.distributed_type == DistributedType.NO
+        and acc.num_processes == 1
+        and acc.mixed_precision == "no"
+        and acc.scaler is None
+        and args.gradient_accumulation_steps == 1
+        and type(optimizer) is AcceleratedOptimizer
+        and type(scheduler) is AcceleratedScheduler
+        and type(train_dl) is DataLoaderShard
+        and not train_dl.skip_batches
+        and not getattr(train_dl, "use_stateful_dataloader", False)
+    )
     if not plain:
-        return StepOps(False, iter, acc.accumulate, acc.backward, lambda: acc.sync_gradients, acc.clip_grad_norm_,
-                       optimizer.step, scheduler.step)
+        return StepOps(
+            False,
+            iter,
+            acc.accumulate,
+            acc.backward,
+            lambda: acc.sync_gradients,
+            acc.clip_grad_norm_,
+            optimizer.step,
+            scheduler.step,
+        )
     # OneCycleLR raises past its total steps; accelerate's scheduler guards that, keep it there.
-    scheduler_step = scheduler.step if hasattr(scheduler.scheduler, "total_steps") else scheduler.scheduler.step
-    return StepOps(True, _one_ahead, lambda model: nullcontext(), torch.Tensor.backward, lambda: True,
-                   torch.nn.utils.clip_grad_norm_, optimizer.optimizer.step, scheduler_step)
+    scheduler_step = (
+        scheduler.step if hasattr(scheduler.scheduler, "total_steps") else scheduler.scheduler.step
+    )
+    return StepOps(
+        True,
+        _one_ahead,
+        lambda model: nullcontext(),
+        torch.Tensor.backward,
+        lambda: True,
+        torch.nn.utils.clip_grad_norm_,
+        optimizer.optimizer.step,
+        scheduler_step,
+    )
 
 
 def _one_ahead(loader: Any) -> Any:

@@ -1,6 +1,7 @@
 """The search layer: checks a search before anything is written, then hands a `TrialRunner`
 (`hpsweep.runner`, which trains and records one trial) to the chosen backend. Backends only
 decide what to try."""
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,11 @@ class SweepCallback:
     def on_sweep_begin(self, settings: SearchSettings) -> None: ...
     def trial_callbacks(self, trial: Trial, record: runs.TrialRecord) -> list[TrainerCallback]:
         return []
+
     def on_trial_end(self, record: runs.TrialRecord) -> None: ...
-    def on_sweep_end(self, best: Any, records: list[runs.TrialRecord], interrupted: bool) -> None: ...
+    def on_sweep_end(
+        self, best: Any, records: list[runs.TrialRecord], interrupted: bool
+    ) -> None: ...
 
 
 @dataclass
@@ -76,16 +80,21 @@ class SweepJob:
         value = self.objective(metrics)
         if len(self.directions) > 1:
             if not isinstance(value, Sequence) or len(value) != len(self.directions):
-                raise UserError(f"objective returned {value!r} for {len(self.directions)} directions; "
-                                f"return a sequence of {len(self.directions)} floats")
+                raise UserError(
+                    f"objective returned {value!r} for {len(self.directions)} directions; "
+                    f"return a sequence of {len(self.directions)} floats"
+                )
             return [float(v) for v in value]
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise UserError(f"objective returned {value!r}; return one float (or a list for several directions)") from None
+            raise UserError(
+                f"objective returned {value!r}; return one float (or a list for several directions)"
+            ) from None
 
 
 # --- validation before anything is written ------------------------------------------------------------
+
 
 def normalise_directions(direction: str | Sequence[str]) -> list[str]:
     directions = [direction] if isinstance(direction, str) else list(direction)
@@ -97,11 +106,17 @@ def normalise_directions(direction: str | Sequence[str]) -> list[str]:
     return directions
 
 
-def check_space_against_args(space: Mapping[str, Any], args: TrainingArguments, model_takes_trial: bool) -> None:
+def check_space_against_args(
+    space: Mapping[str, Any], args: TrainingArguments, model_takes_trial: bool
+) -> None:
     """Every name is placed and every bound is a valid value for its field, before trial 0."""
     fields = field_types(type(args))  # a subclass's extra fields are fields too
-    apply_params(args, {name: None for name in space if name not in fields}, model_takes_trial=model_takes_trial,
-                 source="space")
+    apply_params(
+        args,
+        {name: None for name in space if name not in fields},
+        model_takes_trial=model_takes_trial,
+        source="space",
+    )
     for name, dist in space.items():
         if name not in fields:
             continue
@@ -110,18 +125,38 @@ def check_space_against_args(space: Mapping[str, Any], args: TrainingArguments, 
             try:
                 apply_params(args, {name: value}, source="space")
             except UserError as exc:
-                raise UserError(f"space[{name!r}] = {dist!r} allows {name}={value!r}, which is invalid: {exc}") from None
+                raise UserError(
+                    f"space[{name!r}] = {dist!r} allows {name}={value!r}, which is invalid: {exc}"
+                ) from None
 
 
-def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable | None, n_trials: int | None,
-           direction: str | Sequence[str], objective: Objective | None, backend: str,
-           hp_name: Callable | None = None, timeout: float | None = None, n_jobs: int = 1,
-           study_name: str = "hpsweep", storage: str | None = None, resume: bool = False,
-           sampler: str | None = None, pruner: str | None = None, scheduler: str | None = None,
-           seed: int | None = None, address: str | None = None,
-           resources_per_trial: Mapping[str, float] | None = None, max_failed_trials: int = 5,
-           processes_per_trial: int = 1, sweep_callbacks: Sequence[SweepCallback] = (),
-           show_progress: bool = True, **options: Any) -> Any:
+def search(
+    trainer: Any,
+    *,
+    space: Mapping[str, Any] | None,
+    hp_space: Callable | None,
+    n_trials: int | None,
+    direction: str | Sequence[str],
+    objective: Objective | None,
+    backend: str,
+    hp_name: Callable | None = None,
+    timeout: float | None = None,
+    n_jobs: int = 1,
+    study_name: str = "hpsweep",
+    storage: str | None = None,
+    resume: bool = False,
+    sampler: str | None = None,
+    pruner: str | None = None,
+    scheduler: str | None = None,
+    seed: int | None = None,
+    address: str | None = None,
+    resources_per_trial: Mapping[str, float] | None = None,
+    max_failed_trials: int = 5,
+    processes_per_trial: int = 1,
+    sweep_callbacks: Sequence[SweepCallback] = (),
+    show_progress: bool = True,
+    **options: Any,
+) -> Any:
     """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`.
 
     ``resume`` is accepted for compatibility: the same command always continues its sweep.
@@ -130,30 +165,50 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     from .modelinit import model_init_arity
     from .objective import resolve_objective
 
-    if options:  # what transformers hands the backend's library (tune.run's keywords, W&B's project)
+    # what transformers hands the backend's library (tune.run's keywords, W&B's project)
+    if options:
         options, theirs, note = transformers_keywords(backend, options)
-        sampler, storage, timeout = (mine if mine is not None else theirs.get(name) for name, mine in
-                                     (("sampler", sampler), ("storage", storage), ("timeout", timeout)))
+        sampler, storage, timeout = (
+            mine if mine is not None else theirs.get(name)
+            for name, mine in (("sampler", sampler), ("storage", storage), ("timeout", timeout))
+        )
         n_jobs = theirs.get("n_jobs", n_jobs) if n_jobs == 1 else n_jobs
         max_failed_trials = theirs.get("max_failed_trials", max_failed_trials)
         study_name = theirs.get("study_name", study_name) if study_name == "hpsweep" else study_name
         if note:
             print(f"hpsweep: {note}", file=sys.stderr)
     directions = normalise_directions(direction)
-    check_counts(n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, max_failed_trials=max_failed_trials,
-                 processes_per_trial=processes_per_trial)
+    check_counts(
+        n_trials=n_trials,
+        timeout=timeout,
+        n_jobs=n_jobs,
+        max_failed_trials=max_failed_trials,
+        processes_per_trial=processes_per_trial,
+    )
     if processes_per_trial > 1 and trainer.args.auto_find_batch_size:
-        raise UserError("auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
-                        "restart the others; set per_device_train_batch_size to a size that fits instead")
+        raise UserError(
+            "auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
+            "restart the others; set per_device_train_batch_size to a size that fits instead"
+        )
     if processes_per_trial > 1 and trainer.args.train_sampling_strategy == "group_by_length":
-        raise UserError("train_sampling_strategy='group_by_length' with --processes-per-trial: the processes' "
-                        "shares of a grouped order are not drawn per epoch yet; use 'random' or one process per trial")
+        raise UserError(
+            "train_sampling_strategy='group_by_length' with --processes-per-trial: the processes' "
+            "shares of a grouped order are not drawn per epoch yet; use 'random' or one process per trial"
+        )
     if scheduler == "pbt" and trainer.args.save_only_model:
-        raise UserError("--scheduler pbt goes on from other trials' checkpoints, and save_only_model=True writes the "
-                        "model alone, nothing to train on from; set save_only_model=False")
+        raise UserError(
+            "--scheduler pbt goes on from other trials' checkpoints, and save_only_model=True writes the "
+            "model alone, nothing to train on from; set save_only_model=False"
+        )
     # Devices are checked before anything is written: a request this machine cannot meet is one line.
-    placement = devices.plan(n_jobs=n_jobs, resources=resources_per_trial, processes_per_trial=processes_per_trial,
-                             gpus=devices.visible_gpus(), cores=devices.usable_cores(), local=address is None)
+    placement = devices.plan(
+        n_jobs=n_jobs,
+        resources=resources_per_trial,
+        processes_per_trial=processes_per_trial,
+        gpus=devices.visible_gpus(),
+        cores=devices.usable_cores(),
+        local=address is None,
+    )
     devices.check_fork_safe(placement)
     if (space is None) == (hp_space is None):
         raise UserError("give exactly one of space={...} or hp_space=function")
@@ -161,11 +216,16 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     if space is not None:
         space = validate_space(space)
         check_space_against_args(space, trainer.args, takes_trial)
-    objective = resolve_objective(objective, directions, trainer.compute_metrics)  # HF's default; says which
+    # HF's default; says which
+    objective = resolve_objective(objective, directions, trainer.compute_metrics)
     if len(directions) > 1 and isinstance(objective, str):
-        raise UserError(f"{len(directions)} directions need an objective function returning {len(directions)} values")
+        raise UserError(
+            f"{len(directions)} directions need an objective function returning {len(directions)} values"
+        )
     if isinstance(objective, str) and not objective.startswith("eval_"):
-        raise UserError(f"objective {objective!r}: evaluation metrics are named eval_*; did you mean 'eval_{objective}'?")
+        raise UserError(
+            f"objective {objective!r}: evaluation metrics are named eval_*; did you mean 'eval_{objective}'?"
+        )
     if trainer.eval_dataset is None:
         raise UserError("a search evaluates every trial: give an eval_dataset")
 
@@ -173,29 +233,62 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     output_dir = check_output_dir(Path(trainer.args.output_dir))
     check_one_study(output_dir, study_name)
     args = trainer.args.replace(output_dir=str(output_dir))
-    given = {name for name, value in (("storage", storage), ("address", address),
-                                       ("resources_per_trial", resources_per_trial)) if value is not None}
-    settings = SearchSettings(output_dir=output_dir, space=dict(space) if space else None, hp_space=hp_space,
-                              directions=directions,
-                              objective_name=objective if isinstance(objective, str) else "objective",
-                              n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, study_name=study_name,
-                              storage=storage, resume=resume, sampler=sampler, pruner=pruner, scheduler=scheduler,
-                              seed=seed, address=address,
-                              resources_per_trial=placement.resources,
-                              options=options, backend=backend, max_failed_trials=max_failed_trials,
-                              processes_per_trial=processes_per_trial, given=frozenset(given))
+    given = {
+        name
+        for name, value in (
+            ("storage", storage),
+            ("address", address),
+            ("resources_per_trial", resources_per_trial),
+        )
+        if value is not None
+    }
+    settings = SearchSettings(
+        output_dir=output_dir,
+        space=dict(space) if space else None,
+        hp_space=hp_space,
+        directions=directions,
+        objective_name=objective if isinstance(objective, str) else "objective",
+        n_trials=n_trials,
+        timeout=timeout,
+        n_jobs=n_jobs,
+        study_name=study_name,
+        storage=storage,
+        resume=resume,
+        sampler=sampler,
+        pruner=pruner,
+        scheduler=scheduler,
+        seed=seed,
+        address=address,
+        resources_per_trial=placement.resources,
+        options=options,
+        backend=backend,
+        max_failed_trials=max_failed_trials,
+        processes_per_trial=processes_per_trial,
+        given=frozenset(given),
+    )
     chosen = get_backend(backend, settings)
-    if space is None and settings.space is not None:  # the backend read a native hp_space (a W&B sweep config)
+    # the backend read a native hp_space (a W&B sweep config)
+    if space is None and settings.space is not None:
         space, hp_space = validate_space(settings.space), settings.hp_space
         check_space_against_args(space, trainer.args, takes_trial)
-    job = SweepJob(model_init=trainer.model_init, args=args, train_dataset=trainer.train_dataset,
-                   eval_dataset=trainer.eval_dataset, objective=objective, directions=directions,
-                   data_collator=trainer.data_collator, compute_metrics=trainer.compute_metrics,
-                   callbacks=list(trainer.user_callbacks), hp_space=hp_space, hp_name=hp_name,
-                   sweep_callbacks=[*sweep_callbacks, *tracker_for(trainer.args, sweep_callbacks)],
-                   model_takes_trial=takes_trial,
-                   trainer_cls=type(trainer), trainer_kwargs=trial_trainer_kwargs(trainer),
-                   processes_per_trial=processes_per_trial)
+    job = SweepJob(
+        model_init=trainer.model_init,
+        args=args,
+        train_dataset=trainer.train_dataset,
+        eval_dataset=trainer.eval_dataset,
+        objective=objective,
+        directions=directions,
+        data_collator=trainer.data_collator,
+        compute_metrics=trainer.compute_metrics,
+        callbacks=list(trainer.user_callbacks),
+        hp_space=hp_space,
+        hp_name=hp_name,
+        sweep_callbacks=[*sweep_callbacks, *tracker_for(trainer.args, sweep_callbacks)],
+        model_takes_trial=takes_trial,
+        trainer_cls=type(trainer),
+        trainer_kwargs=trial_trainer_kwargs(trainer),
+        processes_per_trial=processes_per_trial,
+    )
     if placement.note:
         print(f"hpsweep: {placement.note}", file=sys.stderr)
 
@@ -203,15 +296,22 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"--output-dir {output_dir}: cannot create it ({exc.strerror}); give a writable folder") from None
+        raise UserError(
+            f"--output-dir {output_dir}: cannot create it ({exc.strerror}); give a writable folder"
+        ) from None
     runs.recover_interrupted_swaps(output_dir)
     runs.write_text(output_dir / STUDY_FILE, study_name + "\n")  # checked by check_one_study
     progress = None
     if show_progress:
         from .progress import SweepProgress
 
-        progress = SweepProgress(output_dir, n_trials=n_trials, timeout=timeout, directions=directions,
-                                 objective_name=job.objective_name)
+        progress = SweepProgress(
+            output_dir,
+            n_trials=n_trials,
+            timeout=timeout,
+            directions=directions,
+            objective_name=job.objective_name,
+        )
     finished = False
     records: list[runs.TrialRecord] = []
     best = None
@@ -223,7 +323,8 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         chosen.run(TrialLoop(TrialRunner(job, backend), settings))
         finished = True
     except UserError:
-        if not existed and not runs.read_trials(output_dir):  # refused before any trial: leave nothing behind
+        # refused before any trial: leave nothing behind
+        if not existed and not runs.read_trials(output_dir):
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
     finally:
@@ -232,12 +333,15 @@ def search(trainer: Any, *, space: Mapping[str, Any] | None, hp_space: Callable 
         if output_dir.exists():
             records = runs.read_trials(output_dir)
             best = runs.read_best(output_dir)
-            for sc in job.sweep_callbacks:  # interrupted: Ctrl-C or an error; pushers skip, trackers close
+            # interrupted: Ctrl-C or an error; pushers skip, trackers close
+            for sc in job.sweep_callbacks:
                 sc.on_sweep_end(best, records, interrupted=not finished)
     if best is None:
         states = sorted({r.state for r in records})
-        raise UserError(f"no trial completed ({len(records)} trials: {', '.join(states) or 'none ran'}); "
-                        f"see the trial.json and error.log files in {output_dir}")
+        raise UserError(
+            f"no trial completed ({len(records)} trials: {', '.join(states) or 'none ran'}); "
+            f"see the trial.json and error.log files in {output_dir}"
+        )
     if isinstance(best, runs.BestRun):
         trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
     return best
@@ -269,9 +373,17 @@ def check_counts(**counts: Any) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         least = 0 if name == "timeout" else 1
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                (value <= 0 if name == "timeout" else value < least):
-            what = "a positive number of seconds" if name == "timeout" else f"a whole number of at least {least}"
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or (value <= 0 if name == "timeout" else value < least)
+        ):
+            what = (
+                "a positive number of seconds"
+                if name == "timeout"
+                else f"a whole number of at least {least}"
+            )
             raise UserError(f"{flag} {value}: give {what}")
 
 
@@ -287,8 +399,10 @@ def check_one_study(output_dir: Path, study_name: str) -> None:
     except OSError:
         return
     if recorded and recorded != study_name and runs.read_trials(output_dir):
-        raise UserError(f"--output-dir {output_dir} holds the sweep of study {recorded!r}, not {study_name!r}; "
-                        f"give --study-name {recorded} to continue it, or another --output-dir")
+        raise UserError(
+            f"--output-dir {output_dir} holds the sweep of study {recorded!r}, not {study_name!r}; "
+            f"give --study-name {recorded} to continue it, or another --output-dir"
+        )
 
 
 def check_output_dir(path: Path) -> Path:
@@ -300,6 +414,8 @@ def check_output_dir(path: Path) -> Path:
                 where = "is a file" if parent == path else f"is under the file {parent}"
                 raise UserError(f"--output-dir {path} {where}; give a folder")
             if not os.access(parent, os.W_OK | os.X_OK):
-                raise UserError(f"--output-dir {path}: {parent} is not writable; give a folder you can write in")
+                raise UserError(
+                    f"--output-dir {path}: {parent} is not writable; give a folder you can write in"
+                )
             break
     return path

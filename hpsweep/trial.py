@@ -11,6 +11,7 @@ A `Trial` also reads like the params dict that Hugging Face's Trainer hands ``mo
     >>> trial["lr"], "lr" in trial, trial.get("dropout", 0.2), dict(trial.items())
     (0.1, True, 0.2, {'lr': 0.1})
 """
+
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
@@ -40,14 +41,21 @@ class Trial:
     #: trial), and the loop's checkpoints are written off the training thread.
     reads_checkpoints: bool = True
 
-    def __init__(self, number: int, params: Mapping[str, Any] | None = None, *, id: str | None = None) -> None:
+    def __init__(
+        self, number: int, params: Mapping[str, Any] | None = None, *, id: str | None = None
+    ) -> None:
         self.number = number
         self.id = str(number) if id is None else str(id)
         self.params: dict[str, Any] = dict(params or {})
         self.user_attrs: dict[str, Any] = {}
 
-    def report(self, step: int, metrics: Mapping[str, float], objective: float | Sequence[float] | None,
-               checkpoint: str | None = None) -> None:
+    def report(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        objective: float | Sequence[float] | None,
+        checkpoint: str | None = None,
+    ) -> None:
         """Called after each evaluation (``step`` counts evaluations, from 1).
 
         ``checkpoint`` is the folder saved at that evaluation, when one was (always None for a
@@ -59,11 +67,14 @@ class Trial:
         return False
 
     # Define-by-run. Backends with a fixed space only serve params they already sampled.
-    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False,
-                      step: float | None = None) -> float:
+    def suggest_float(
+        self, name: str, low: float, high: float, *, log: bool = False, step: float | None = None
+    ) -> float:
         return self._fixed(name)
 
-    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False, step: int = 1) -> int:
+    def suggest_int(
+        self, name: str, low: int, high: int, *, log: bool = False, step: int = 1
+    ) -> int:
         return self._fixed(name)
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
@@ -80,9 +91,11 @@ class Trial:
     # Read like the params dict (not a Mapping subclass: a trial is never mistaken for a space).
     def __getitem__(self, name: str) -> Any:
         if name not in self.params:
-            raise MissingParam(f"trial[{name!r}]: the trial has no param {name!r} (it has: "
-                               f"{', '.join(self.params) or 'none'}); declare it in the space, or read it "
-                               f"with trial.get({name!r}, default)")
+            raise MissingParam(
+                f"trial[{name!r}]: the trial has no param {name!r} (it has: "
+                f"{', '.join(self.params) or 'none'}); declare it in the space, or read it "
+                f"with trial.get({name!r}, default)"
+            )
         return self.params[name]
 
     def __contains__(self, name: object) -> bool:
@@ -94,7 +107,9 @@ class Trial:
     def __len__(self) -> int:
         return len(self.params)
 
-    def __bool__(self) -> bool:  # `if trial:` means "is there a trial", even before any param exists
+    def __bool__(
+        self,
+    ) -> bool:  # `if trial:` means "is there a trial", even before any param exists
         return True
 
     def get(self, name: str, default: Any = None) -> Any:

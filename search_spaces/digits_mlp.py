@@ -5,6 +5,7 @@
 Searches the learning rate, batch size and epochs (TrainingArguments fields) and the hidden
 width and dropout (model hyperparameters, read by model_init from trial.params).
 """
+
 import importlib.util
 from pathlib import Path
 
@@ -19,7 +20,11 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits, read from its CSV without importing scikit-learn (that
     import took 4.3 of a 20-trial sweep's 17.7 seconds here); `load_digits` if the file moved."""
     package = importlib.util.find_spec("sklearn")
-    path = Path(package.submodule_search_locations[0], "datasets", "data", "digits.csv.gz") if package else None
+    path = (
+        Path(package.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+        if package
+        else None
+    )
     if path is None or not path.is_file():
         from sklearn.datasets import load_digits
 
@@ -33,8 +38,9 @@ def _split(part: str) -> torch.utils.data.TensorDataset:
     order = np.random.default_rng(0).permutation(len(x))
     cut = int(0.8 * len(x))
     rows = order[:cut] if part == "train" else order[cut:]
-    return torch.utils.data.TensorDataset(torch.tensor(x[rows] / 16.0, dtype=torch.float32),
-                                          torch.tensor(y[rows], dtype=torch.long))
+    return torch.utils.data.TensorDataset(
+        torch.tensor(x[rows] / 16.0, dtype=torch.float32), torch.tensor(y[rows], dtype=torch.long)
+    )
 
 
 def train_dataset():
@@ -48,11 +54,14 @@ def eval_dataset():
 class MLP(nn.Module):
     def __init__(self, hidden: int = 64, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10)
+        )
 
     def forward(self, x, labels=None):
         logits = self.net(x)
-        if labels is None:  # predicting, or label_smoothing_factor computing the loss from the logits
+        # predicting, or label_smoothing_factor computing the loss from the logits
+        if labels is None:
             return {"logits": logits}
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
@@ -74,7 +83,11 @@ space = {
     "dropout": hpsweep.Float(0.0, 0.3),
 }
 
-args = hpsweep.TrainingArguments(output_dir="hpsweep-output/digits", per_device_eval_batch_size=256,
-                                 lr_scheduler_type="linear", save_total_limit=2)
+args = hpsweep.TrainingArguments(
+    output_dir="hpsweep-output/digits",
+    per_device_eval_batch_size=256,
+    lr_scheduler_type="linear",
+    save_total_limit=2,
+)
 objective = "eval_accuracy"
 direction = "maximize"

@@ -7,6 +7,7 @@ attention_mask and labels, the model returns its own output with loss and logits
 holds config.json + model.safetensors, so `AutoModelForSequenceClassification.from_pretrained`
 loads it. Needs the `hf` extra: pip install 'hpsweep[hf]'.
 """
+
 import random
 
 import torch
@@ -28,7 +29,9 @@ class Sentiment(torch.utils.data.Dataset):
         self.rows = []
         for _ in range(n):
             label = rng.random() < 0.5
-            words = rng.sample(FILLER, rng.randint(4, 10)) + rng.sample(POSITIVE if label else NEGATIVE, 2)
+            words = rng.sample(FILLER, rng.randint(4, 10)) + rng.sample(
+                POSITIVE if label else NEGATIVE, 2
+            )
             rng.shuffle(words)
             ids = [VOCAB["[CLS]"], *(VOCAB[w] for w in words)][:MAX_LEN]
             self.rows.append((ids, int(label)))
@@ -39,8 +42,11 @@ class Sentiment(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         ids, label = self.rows[i]
         pad = MAX_LEN - len(ids)
-        return {"input_ids": torch.tensor(ids + [0] * pad), "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-                "labels": torch.tensor(label)}
+        return {
+            "input_ids": torch.tensor(ids + [0] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            "labels": torch.tensor(label),
+        }
 
 
 def train_dataset():
@@ -56,9 +62,15 @@ def model_init(trial):
 
     params = trial.params if trial is not None else {}
     hidden = params.get("hidden_size", 32)
-    config = BertConfig(vocab_size=len(VOCAB), hidden_size=hidden, num_hidden_layers=params.get("num_layers", 1),
-                        num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=MAX_LEN,
-                        num_labels=2)
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=hidden,
+        num_hidden_layers=params.get("num_layers", 1),
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=MAX_LEN,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -72,7 +84,13 @@ space = {
     "hidden_size": hpsweep.Categorical([16, 32, 64]),
     "num_layers": hpsweep.Int(1, 2),
 }
-args = hpsweep.TrainingArguments(output_dir="hpsweep-output/hf", num_train_epochs=3, per_device_train_batch_size=32,
-                                 per_device_eval_batch_size=128, weight_decay=0.01, save_total_limit=1)
+args = hpsweep.TrainingArguments(
+    output_dir="hpsweep-output/hf",
+    num_train_epochs=3,
+    per_device_train_batch_size=32,
+    per_device_eval_batch_size=128,
+    weight_decay=0.01,
+    save_total_limit=1,
+)
 objective = "eval_accuracy"
 direction = "maximize"

@@ -17,12 +17,12 @@ epoch's accuracy is reported to Optuna's pruner as the example's loop did.
 import os
 
 import optuna
-from optuna.trial import TrialState
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data
+from optuna.trial import TrialState
 
 import hpsweep
 
@@ -43,10 +43,10 @@ def define_model(trial):
 
     in_features = 28 * 28
     for i in range(n_layers):
-        out_features = trial.suggest_int("n_units_l{}".format(i), 4, 128)
+        out_features = trial.suggest_int(f"n_units_l{i}", 4, 128)
         layers.append(nn.Linear(in_features, out_features))
         layers.append(nn.ReLU())
-        p = trial.suggest_float("dropout_l{}".format(i), 0.2, 0.5)
+        p = trial.suggest_float(f"dropout_l{i}", 0.2, 0.5)
         layers.append(nn.Dropout(p))
 
         in_features = out_features
@@ -163,8 +163,10 @@ def model_init(trial):
 
 def hp_space(trial):
     # The example's optimizer choice and learning rate, under the TrainingArguments names.
-    return {"optim": trial.suggest_categorical("optimizer", ["Adam", "RMSprop", "SGD"]),
-            "learning_rate": trial.suggest_float("lr", 1e-5, 1e-1, log=True)}
+    return {
+        "optim": trial.suggest_categorical("optimizer", ["Adam", "RMSprop", "SGD"]),
+        "learning_rate": trial.suggest_float("lr", 1e-5, 1e-1, log=True),
+    }
 
 
 def train_dataset():
@@ -179,9 +181,15 @@ def compute_metrics(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 
 
-args = hpsweep.TrainingArguments(output_dir="hpsweep-output/optuna_pytorch_simple", num_train_epochs=EPOCHS,
-                                 per_device_train_batch_size=BATCHSIZE, per_device_eval_batch_size=BATCHSIZE,
-                                 lr_scheduler_type="constant", max_grad_norm=0.0, save_total_limit=1)
+args = hpsweep.TrainingArguments(
+    output_dir="hpsweep-output/optuna_pytorch_simple",
+    num_train_epochs=EPOCHS,
+    per_device_train_batch_size=BATCHSIZE,
+    per_device_eval_batch_size=BATCHSIZE,
+    lr_scheduler_type="constant",
+    max_grad_norm=0.0,
+    save_total_limit=1,
+)
 objective = "eval_accuracy"
 direction = "maximize"
 
@@ -205,4 +213,4 @@ if __name__ == "__main__":
 
     print("  Params: ")
     for key, value in trial.params.items():
-        print("    {}: {}".format(key, value))
+        print(f"    {key}: {value}")

@@ -1,4 +1,5 @@
 """Shared helpers: tests read like a user's session (write a space file, run the CLI, look at disk)."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A tiny, fast, real space file: a 2-layer MLP on a fixed synthetic 4-class problem.
-TINY_SPACE = '''
+TINY_SPACE = """
 import torch
 from torch import nn
 import hpsweep
@@ -62,14 +63,15 @@ args = hpsweep.TrainingArguments(output_dir={output_dir!r}, num_train_epochs={ep
 objective = {objective!r}
 direction = {direction!r}
 {extra}
-'''
+"""
 
-DEFAULT_MODEL_INIT = '''
+DEFAULT_MODEL_INIT = """
 def model_init(trial):
     return Net(hidden=(trial.params.get("hidden", 16) if trial is not None else 16))
-'''
-DEFAULT_SPACE = ('{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), '
-                 '"hidden": hpsweep.Int(8, 32, step=8)}')
+"""
+DEFAULT_SPACE = (
+    '{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8)}'
+)
 
 
 def free_port() -> int:
@@ -84,22 +86,39 @@ def timeless(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.endswith(SPEED_SUFFIXES)}
 
 
-def write_space(folder: Path, *, name: str = "space.py", space: str = DEFAULT_SPACE,
-                model_init: str = DEFAULT_MODEL_INIT, epochs: int = 2, objective: str = "eval_accuracy",
-                direction: str = "maximize", extra: str = "", extra_args: str = "",
-                output_dir: str | None = None) -> Path:
+def write_space(
+    folder: Path,
+    *,
+    name: str = "space.py",
+    space: str = DEFAULT_SPACE,
+    model_init: str = DEFAULT_MODEL_INIT,
+    epochs: int = 2,
+    objective: str = "eval_accuracy",
+    direction: str = "maximize",
+    extra: str = "",
+    extra_args: str = "",
+    output_dir: str | None = None,
+) -> Path:
     """Write a tiny real space file into ``folder`` and return its path."""
     path = folder / name
-    path.write_text(TINY_SPACE.format(model_init=textwrap.dedent(model_init), space=space,
-                                      output_dir=output_dir or str(folder / "out"), epochs=epochs,
-                                      objective=objective, direction=direction, extra=textwrap.dedent(extra),
-                                      extra_args=extra_args))
+    path.write_text(
+        TINY_SPACE.format(
+            model_init=textwrap.dedent(model_init),
+            space=space,
+            output_dir=output_dir or str(folder / "out"),
+            epochs=epochs,
+            objective=objective,
+            direction=direction,
+            extra=textwrap.dedent(extra),
+            extra_args=extra_args,
+        )
+    )
     return path
 
 
 #: The start of a user's whole script, written as transformers' examples are, for the tests that run
 #: one as it is (tiny data, a model returning (loss, logits)); only the Trainer import is hpsweep's.
-USER_SCRIPT_PRELUDE = '''
+USER_SCRIPT_PRELUDE = """
 import json, sys
 import numpy as np
 import torch
@@ -117,23 +136,38 @@ class Net(torch.nn.Module):
     def forward(self, x, labels=None):
         logits = self.net(x)
         return torch.nn.functional.cross_entropy(logits, labels), logits
-'''
+"""
 
 
-def hpsweep_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300,
-                check: bool = False) -> subprocess.CompletedProcess:
+def hpsweep_cli(
+    *args: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 300,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
     """Run ``hpsweep ARGS`` in a fresh process, as a user would."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "hpsweep.cli", *map(str, args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpsweep.cli", *map(str, args)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"hpsweep {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"hpsweep {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
 def load_sweep_study(out: Path, study_name: str = "space") -> optuna.Study:
     """The sweep's Optuna study, opened with Optuna's own API as the README shows users."""
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))
+    )
     return optuna.load_study(study_name=study_name, storage=storage)
 
 

@@ -8,6 +8,7 @@ keeps what arrives in memory. Every request must carry ``Authorization: Bearer <
     >>> with FakeHub(token="hf_test") as hub:
     ...     os.environ["HF_ENDPOINT"] = hub.url
 """
+
 from __future__ import annotations
 
 import base64
@@ -63,11 +64,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- plumbing ----------------------------------------------------------------------------------
 
-    def _send(self, status: int, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None,
-              head: bool = False) -> None:
+    def _send(
+        self,
+        status: int,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+        head: bool = False,
+    ) -> None:
         data = raw if raw is not None else json.dumps(body if body is not None else {}).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json" if raw is None else "application/octet-stream")
+        self.send_header(
+            "Content-Type", "application/json" if raw is None else "application/octet-stream"
+        )
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -85,14 +94,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub.requests.append((self.command, self.path, dict(self.headers)))
         if self.headers.get("Authorization") == f"Bearer {self.hub.token}":
             return True
-        self._send(401, {"error": "Invalid credentials in Authorization header"},
-                   headers={"X-Error-Message": "Invalid credentials in Authorization header"})
+        self._send(
+            401,
+            {"error": "Invalid credentials in Authorization header"},
+            headers={"X-Error-Message": "Invalid credentials in Authorization header"},
+        )
         return False
 
     def _repo(self, repo_id: str) -> dict[str, Any] | None:
         repo = self.hub.repos.get(repo_id)
         if repo is None:
-            self._send(404, {"error": "Repository not found"}, headers={"X-Error-Code": "RepoNotFound"})
+            self._send(
+                404, {"error": "Repository not found"}, headers={"X-Error-Code": "RepoNotFound"}
+            )
         return repo
 
     # --- routes ---------------------------------------------------------------------------------------
@@ -116,10 +130,18 @@ class _Handler(BaseHTTPRequestHandler):
             ("GET", r"/api/whoami-v2", self.whoami),
             ("GET", r"/api/agent-harnesses", self.agent_harnesses),
             ("POST", r"/api/validate-yaml", self.validate_yaml),
-            ("POST", r"/api/models/(?P<repo>[^/]+/[^/]+)/branch/(?P<branch>[^/]+)", self.create_branch),
+            (
+                "POST",
+                r"/api/models/(?P<repo>[^/]+/[^/]+)/branch/(?P<branch>[^/]+)",
+                self.create_branch,
+            ),
             ("POST", r"/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)", self.preupload),
             ("POST", r"/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)", self.commit),
-            ("GET", r"/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/]+))?", self.repo_info),
+            (
+                "GET",
+                r"/api/models/(?P<repo>[^/]+/[^/]+)(/revision/(?P<rev>[^/]+))?",
+                self.repo_info,
+            ),
             ("GET", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)", self.resolve),
             ("HEAD", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)", self.resolve),
         ]
@@ -127,11 +149,16 @@ class _Handler(BaseHTTPRequestHandler):
             match = re.fullmatch(pattern, path)
             if verb == method and match:
                 with self.hub.lock:
-                    return handler(body, **{k: unquote(v) for k, v in match.groupdict().items() if v is not None})
+                    return handler(
+                        body,
+                        **{k: unquote(v) for k, v in match.groupdict().items() if v is not None},
+                    )
         self._send(404, {"error": f"fake hub: no route for {method} {path}"})
 
     def whoami(self, body: bytes) -> None:
-        self._send(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
+        self._send(
+            200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}}
+        )
 
     def agent_harnesses(self, body: bytes) -> None:
         self._send(200, {"standardEnvVars": [], "harnesses": {}})
@@ -151,11 +178,20 @@ class _Handler(BaseHTTPRequestHandler):
         payload = json.loads(body or b"{}")
         repo_id = f"{payload.get('organization') or 'tester'}/{payload['name']}"
         if repo_id in self.hub.repos:
-            self._send(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"})
+            self._send(
+                409,
+                {
+                    "error": "You already created this model repo",
+                    "url": f"{self.hub.url}/{repo_id}",
+                },
+            )
             return
         private = payload.get("private", payload.get("visibility") == "private")
-        self.hub.repos[repo_id] = {"private": bool(private), "commits": [],
-                                   "branches": {"main": {"files": {}, "sha": _sha("init" + repo_id)}}}
+        self.hub.repos[repo_id] = {
+            "private": bool(private),
+            "commits": [],
+            "branches": {"main": {"files": {}, "sha": _sha("init" + repo_id)}},
+        }
         self._send(200, {"url": f"{self.hub.url}/{repo_id}", "name": repo_id})
 
     def create_branch(self, body: bytes, repo: str, branch: str) -> None:
@@ -165,22 +201,37 @@ class _Handler(BaseHTTPRequestHandler):
         if branch in r["branches"]:
             self._send(409, {"error": "Reference already exists"})
             return
-        r["branches"][branch] = {"files": dict(r["branches"]["main"]["files"]), "sha": r["branches"]["main"]["sha"]}
+        r["branches"][branch] = {
+            "files": dict(r["branches"]["main"]["files"]),
+            "sha": r["branches"]["main"]["sha"],
+        }
         self._send(200, {})
 
     def preupload(self, body: bytes, repo: str, rev: str) -> None:
         if self._repo(repo) is None:
             return
         files = json.loads(body)["files"]
-        self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
-                                   for f in files], "commitOid": None})
+        self._send(
+            200,
+            {
+                "files": [
+                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
+                    for f in files
+                ],
+                "commitOid": None,
+            },
+        )
 
     def commit(self, body: bytes, repo: str, rev: str) -> None:
         r = self._repo(repo)
         if r is None:
             return
         if rev not in r["branches"]:
-            self._send(404, {"error": f"Invalid rev id: {rev}"}, headers={"X-Error-Code": "RevisionNotFound"})
+            self._send(
+                404,
+                {"error": f"Invalid rev id: {rev}"},
+                headers={"X-Error-Code": "RevisionNotFound"},
+            )
             return
         time.sleep(self.hub.commit_delay)
         branch = r["branches"][rev]
@@ -195,17 +246,34 @@ class _Handler(BaseHTTPRequestHandler):
             elif item["key"] == "deletedFile":
                 branch["files"].pop(value["path"], None)
         branch["sha"] = _sha(json.dumps(header) + str(len(r["commits"])) + repo)
-        r["commits"].append({"summary": header["summary"], "branch": rev, "paths": paths, "sha": branch["sha"]})
-        self._send(200, {"commitUrl": f"{self.hub.url}/{repo}/commit/{branch['sha']}", "commitOid": branch["sha"],
-                         "pullRequestUrl": None})
+        r["commits"].append(
+            {"summary": header["summary"], "branch": rev, "paths": paths, "sha": branch["sha"]}
+        )
+        self._send(
+            200,
+            {
+                "commitUrl": f"{self.hub.url}/{repo}/commit/{branch['sha']}",
+                "commitOid": branch["sha"],
+                "pullRequestUrl": None,
+            },
+        )
 
     def repo_info(self, body: bytes, repo: str, rev: str = "main") -> None:
         r = self._repo(repo)
         if r is None:
             return
         branch = r["branches"].get(rev) or r["branches"]["main"]
-        self._send(200, {"id": repo, "modelId": repo, "sha": branch["sha"], "private": r["private"],
-                         "siblings": [{"rfilename": p} for p in sorted(branch["files"])], "tags": []})
+        self._send(
+            200,
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": branch["sha"],
+                "private": r["private"],
+                "siblings": [{"rfilename": p} for p in sorted(branch["files"])],
+                "tags": [],
+            },
+        )
 
     def resolve(self, body: bytes, repo: str, rev: str, file: str) -> None:
         r = self.hub.repos.get(repo)
@@ -215,8 +283,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         data = branch["files"][file]
         etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        self._send(200, raw=data, head=self.command == "HEAD",
-                   headers={"X-Repo-Commit": branch["sha"], "ETag": f'"{etag}"'})
+        self._send(
+            200,
+            raw=data,
+            head=self.command == "HEAD",
+            headers={"X-Repo-Commit": branch["sha"], "ETag": f'"{etag}"'},
+        )
 
 
 def _sha(text: str) -> str:

@@ -1,5 +1,6 @@
 """Real Ray nodes on this machine for the tests, started as a user starts them (``ray start``),
 bound to 127.0.0.1, and stopped by their temp dir, so that nobody else's Ray is touched."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-
 from conftest import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -28,7 +28,9 @@ class Cluster:
 
 def stop_processes_under(marker: str) -> None:
     """Stop the Ray processes whose command line names ``marker`` (a cluster's temp dir), and their children."""
-    mine = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    mine = [
+        p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])
+    ]
     everything = {p.pid: p for p in mine}
     for p in mine:
         try:
@@ -40,7 +42,8 @@ def stop_processes_under(marker: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(list(everything.values()), timeout=3)  # some of Ray's ignore SIGTERM
+    # some of Ray's ignore SIGTERM
+    _, alive = psutil.wait_procs(list(everything.values()), timeout=3)
     for p in alive:
         try:
             p.kill()
@@ -52,7 +55,9 @@ def _ray_start(args: list[str], env: dict[str, str], temp: str) -> None:
     """``ray start ARGS``, tried twice. Ray waits a hard-coded 30 s for a new node to register, which
     two cores busy with the rest of the suite sometimes exceed; the second try starts clean."""
     for attempt in (1, 2):
-        proc = subprocess.run([RAY, "start", *args], env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [RAY, "start", *args], env=env, capture_output=True, text=True, timeout=120
+        )
         if proc.returncode == 0:
             return
         if attempt == 2 or "timed out during startup" not in proc.stdout + proc.stderr:
@@ -62,8 +67,13 @@ def _ray_start(args: list[str], env: dict[str, str], temp: str) -> None:
 
 
 @contextlib.contextmanager
-def ray_nodes(*, workers: int = 1, token: bool = True, worker_env: dict[str, str] | None = None,
-              worker_args: tuple[str, ...] = ()) -> Iterator[Cluster]:
+def ray_nodes(
+    *,
+    workers: int = 1,
+    token: bool = True,
+    worker_env: dict[str, str] | None = None,
+    worker_args: tuple[str, ...] = (),
+) -> Iterator[Cluster]:
     """A head node and ``workers`` worker nodes, 1 CPU each, bound to 127.0.0.1; with token
     authentication unless ``token=False``. ``worker_env`` is added to the worker nodes' environment
     (their Ray workers inherit it), and ``worker_args`` to their ``ray start``."""
@@ -75,9 +85,25 @@ def ray_nodes(*, workers: int = 1, token: bool = True, worker_env: dict[str, str
     env.pop("RAY_ADDRESS", None)
     common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     try:
-        _ray_start(["--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", temp, *common], env, temp)
+        _ray_start(
+            [
+                "--head",
+                "--port",
+                str(port),
+                "--include-dashboard=false",
+                "--temp-dir",
+                temp,
+                *common,
+            ],
+            env,
+            temp,
+        )
         for _ in range(workers):
-            _ray_start(["--address", f"127.0.0.1:{port}", *common, *worker_args], {**env, **(worker_env or {})}, temp)
+            _ray_start(
+                ["--address", f"127.0.0.1:{port}", *common, *worker_args],
+                {**env, **(worker_env or {})},
+                temp,
+            )
         yield Cluster(f"127.0.0.1:{port}", env)
     finally:
         stop_processes_under(temp)

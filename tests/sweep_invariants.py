@@ -2,6 +2,7 @@
 
 Shared by the contract test (every backend) and the fault-injection harness.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,18 +14,23 @@ from pathlib import Path
 from hpsweep import runs
 
 # A slow-enough real trial to interrupt: each step sleeps, and every 4 steps evaluate and checkpoint.
-SLOW_TRIALS = '''
+SLOW_TRIALS = """
 import time
 class _Slow(hpsweep.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep({step_s})
 callbacks = [_Slow()]
-'''
+"""
 SLOW_ARGS = ', eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4'
 
 
-def violations(output_dir: Path, n_trials: int, direction: str = "maximize",
-               before: dict[str, float] | None = None, model_only: bool = False) -> list[str]:
+def violations(
+    output_dir: Path,
+    n_trials: int,
+    direction: str = "maximize",
+    before: dict[str, float] | None = None,
+    model_only: bool = False,
+) -> list[str]:
     """Every broken promise of DESIGN 5 in ``output_dir`` after a sweep that exited 0
     (``model_only``: its checkpoints hold the model alone, ``save_only_model=True``)."""
     import torch
@@ -56,7 +62,9 @@ def violations(output_dir: Path, n_trials: int, direction: str = "maximize",
         pick = max if direction == "maximize" else min
         want = pick(complete, key=lambda r: r.objective)
         if best is None or best.objective != want.objective:
-            found.append(f"best_run.json is {best and best.objective}, the best complete trial {want.objective}")
+            found.append(
+                f"best_run.json is {best and best.objective}, the best complete trial {want.objective}"
+            )
         elif not (output_dir / "best" / "model.safetensors").exists():
             found.append("best/ holds no model.safetensors")
     if (output_dir / ".leases").is_dir() and any((output_dir / ".leases").iterdir()):
@@ -66,13 +74,25 @@ def violations(output_dir: Path, n_trials: int, direction: str = "maximize",
 
 def finished_at(output_dir: Path) -> dict[str, float]:
     """When each finished trial finished: a rerun must not touch them."""
-    return {r.id: r.finished_at for r in runs.read_trials(output_dir) if r.state in ("complete", "pruned", "failed")}
+    return {
+        r.id: r.finished_at
+        for r in runs.read_trials(output_dir)
+        if r.state in ("complete", "pruned", "failed")
+    }
 
 
-def start(*args: str, cwd: Path | None = None, env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpsweep.cli", *map(str, args)], cwd=cwd,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+def start(
+    *args: str, cwd: Path | None = None, env: dict | None = None, preexec_fn=None
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpsweep.cli", *map(str, args)],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
 
 
 def wait_for(condition, timeout: float = 120.0) -> bool:
@@ -85,7 +105,11 @@ def wait_for(condition, timeout: float = 120.0) -> bool:
 
 
 def checkpoints_in(output_dir: Path) -> int:
-    return sum(len(runs.checkpoints(p)) for p in output_dir.glob("*") if p.is_dir()) if output_dir.is_dir() else 0
+    return (
+        sum(len(runs.checkpoints(p)) for p in output_dir.glob("*") if p.is_dir())
+        if output_dir.is_dir()
+        else 0
+    )
 
 
 def alive(pid: int) -> bool:

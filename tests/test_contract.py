@@ -4,6 +4,7 @@ Each case interrupts a real sweep the way real sweeps are interrupted, runs the 
 again, and checks every invariant in `sweep_invariants.violations`. A new backend is added to
 `BACKENDS` and gets the whole spec.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,9 @@ BACKENDS = {"optuna": {}, "wandb": {"WANDB_MODE": "offline"}}
 
 
 def slow_space(tmp_path: Path, step_s: float = 0.03, extra: str = "") -> Path:
-    return write_space(tmp_path, epochs=1, extra=SLOW_TRIALS.format(step_s=step_s) + extra, extra_args=SLOW_ARGS)
+    return write_space(
+        tmp_path, epochs=1, extra=SLOW_TRIALS.format(step_s=step_s) + extra, extra_args=SLOW_ARGS
+    )
 
 
 def cmd(backend: str, space: Path, n: int, *more: str) -> list[str]:
@@ -41,7 +44,9 @@ def cmd(backend: str, space: Path, n: int, *more: str) -> list[str]:
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_interrupted_mid_trial_the_same_command_finishes(tmp_path: Path, backend: str, how: int) -> None:
+def test_interrupted_mid_trial_the_same_command_finishes(
+    tmp_path: Path, backend: str, how: int
+) -> None:
     space, out, env = slow_space(tmp_path), tmp_path / "out", BACKENDS[backend]
     proc = start(*cmd(backend, space, 3), env=env)
     assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
@@ -60,13 +65,18 @@ def test_interrupted_mid_trial_the_same_command_finishes(tmp_path: Path, backend
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(tmp_path: Path, backend: str) -> None:
-    space = write_space(tmp_path, model_init='''
+def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(
+    tmp_path: Path, backend: str
+) -> None:
+    space = write_space(
+        tmp_path,
+        model_init="""
         def model_init(trial):
             if trial.number == 1:
                 raise RuntimeError("a bad draw")
             return Net(hidden=trial.params["hidden"])
-    ''')
+    """,
+    )
     hpsweep_cli(*cmd(backend, space, 3), env=BACKENDS[backend], check=True)
     records = runs.read_trials(tmp_path / "out")
     failed = [r for r in records if r.state == "failed"]
@@ -87,13 +97,16 @@ def test_two_commands_on_one_folder_finish_exactly_n_trials(tmp_path: Path, back
 
 
 def test_failed_trials_do_not_fill_n_trials_and_too_many_end_the_sweep(tmp_path: Path) -> None:
-    space = write_space(tmp_path, model_init='''
+    space = write_space(
+        tmp_path,
+        model_init="""
         import os
         def model_init(trial):
             if not os.path.exists(os.path.join(os.path.dirname(__file__), "fixed")):
                 raise RuntimeError("the data is not there yet")
             return Net(hidden=trial.params["hidden"])
-    ''')
+    """,
+    )
     proc = hpsweep_cli(*cmd("optuna", space, 3), "--max-failed-trials", "2")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpsweep: error")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -101,14 +114,20 @@ def test_failed_trials_do_not_fill_n_trials_and_too_many_end_the_sweep(tmp_path:
     (tmp_path / "fixed").touch()  # the cause is fixed: the same command runs what is missing
     hpsweep_cli(*cmd("optuna", space, 3), "--max-failed-trials", "2", check=True)
     records = runs.read_trials(tmp_path / "out")
-    assert sum(r.state == "complete" for r in records) == 3 and sum(r.state == "failed" for r in records) == 2
+    assert (
+        sum(r.state == "complete" for r in records) == 3
+        and sum(r.state == "failed" for r in records) == 2
+    )
 
 
 def test_an_error_no_params_can_fix_stops_before_anything_is_recorded(tmp_path: Path) -> None:
-    space = write_space(tmp_path, model_init='''
+    space = write_space(
+        tmp_path,
+        model_init="""
         def model_init(trial):
             import a_package_that_is_not_installed
-    ''')
+    """,
+    )
     proc = hpsweep_cli(*cmd("optuna", space, 3))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "a_package_that_is_not_installed" in proc.stderr and "install" in proc.stderr
@@ -118,11 +137,15 @@ def test_an_error_no_params_can_fix_stops_before_anything_is_recorded(tmp_path: 
 def test_n_jobs_workers_die_with_the_command_and_the_rerun_finishes(tmp_path: Path) -> None:
     space, out = slow_space(tmp_path), tmp_path / "out"
     proc = start(*cmd("optuna", space, 4, "--n-jobs", "2"))
-    assert wait_for(lambda: len(worker_pids(out)) == 2 and checkpoints_in(out) >= 2), proc.communicate()
+    assert wait_for(lambda: len(worker_pids(out)) == 2 and checkpoints_in(out) >= 2), (
+        proc.communicate()
+    )
     workers = worker_pids(out)
     proc.kill()
     proc.communicate(timeout=60)
-    assert wait_for(lambda: not any(alive(pid) for pid in workers), timeout=30), "workers outlived the command"
+    assert wait_for(lambda: not any(alive(pid) for pid in workers), timeout=30), (
+        "workers outlived the command"
+    )
     before = finished_at(out)
     hpsweep_cli(*cmd("optuna", space, 4, "--n-jobs", "2"), check=True)
     assert violations(out, 4, before=before) == []
@@ -133,9 +156,15 @@ def test_a_killed_worker_costs_only_its_trial(tmp_path: Path) -> None:
     proc = start(*cmd("optuna", space, 4, "--n-jobs", "2"))
 
     def running_with_a_checkpoint() -> list[runs.TrialRecord]:
-        return [r for r in runs.read_trials(out) if r.state == "running" and runs.checkpoints(Path(r.run_dir))]
+        return [
+            r
+            for r in runs.read_trials(out)
+            if r.state == "running" and runs.checkpoints(Path(r.run_dir))
+        ]
 
-    assert wait_for(lambda: len(worker_pids(out)) == 2 and running_with_a_checkpoint()), proc.communicate()
+    assert wait_for(lambda: len(worker_pids(out)) == 2 and running_with_a_checkpoint()), (
+        proc.communicate()
+    )
     victim = running_with_a_checkpoint()[0]
     import os
 
@@ -151,7 +180,9 @@ def test_a_killed_worker_costs_only_its_trial(tmp_path: Path) -> None:
 def test_ctrl_c_stops_every_n_jobs_worker(tmp_path: Path) -> None:
     space, out = slow_space(tmp_path), tmp_path / "out"
     proc = start(*cmd("optuna", space, 4, "--n-jobs", "2"))
-    assert wait_for(lambda: len(worker_pids(out)) == 2 and checkpoints_in(out) >= 1), proc.communicate()
+    assert wait_for(lambda: len(worker_pids(out)) == 2 and checkpoints_in(out) >= 1), (
+        proc.communicate()
+    )
     workers = worker_pids(out)
     proc.send_signal(signal.SIGINT)  # to the command alone, as `kill -INT` does
     _, err = proc.communicate(timeout=60)
@@ -165,7 +196,9 @@ def test_ctrl_c_stops_every_n_jobs_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("n_jobs", [1, 2])
-def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path: Path, n_jobs: int) -> None:
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(
+    tmp_path: Path, n_jobs: int
+) -> None:
     """`hpsweep run ... &` in a script (or under `nohup`) starts with SIGINT ignored: one job or
     several, the sweep goes on through a SIGINT and finishes; SIGTERM still stops it."""
     space, out = slow_space(tmp_path), tmp_path / "out"
@@ -195,7 +228,8 @@ def test_a_sigterm_whose_exception_python_drops_still_stops_the_sweep() -> None:
     class Dropping:
         def __del__(self) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(10_000):  # the handler runs between these bytecodes; its exception is dropped
+            # the handler runs between these bytecodes; its exception is dropped
+            for _ in range(10_000):
                 pass
 
     with loop._signals_interrupt():
@@ -211,12 +245,19 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: P
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True
+    )
     assert mounted.returncode == 0, mounted.stderr  # CI runs as root, as this machine does
     try:
         out = disk / "out"
-        space = write_space(tmp_path, epochs=1, extra=SLOW_TRIALS.format(step_s=0.03), extra_args=SLOW_ARGS,
-                            output_dir=str(out))
+        space = write_space(
+            tmp_path,
+            epochs=1,
+            extra=SLOW_TRIALS.format(step_s=0.03),
+            extra_args=SLOW_ARGS,
+            output_dir=str(out),
+        )
         proc = start(*cmd("optuna", space, 3))
         assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
         filler = disk / "filler"

@@ -1,5 +1,6 @@
 """deploy/: the manifests parse, name the image the Dockerfile documents, run `hpsweep run`,
 and ask per trial for no more than a worker offers."""
+
 from __future__ import annotations
 
 import re
@@ -38,10 +39,17 @@ def _project_version() -> str:
 
 def test_every_manifest_names_the_image_the_dockerfile_builds() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert "hpsweep-ray:<hpsweep version>" in dockerfile and 'pip install --no-cache-dir ".[ray]"' in dockerfile
+    assert (
+        "hpsweep-ray:<hpsweep version>" in dockerfile
+        and 'pip install --no-cache-dir ".[ray]"' in dockerfile
+    )
     ray_base = re.search(r"^FROM rayproject/ray:(\d+\.\d+\.\d+)", dockerfile, re.M).group(1)
-    images = [i for name in ("ray-cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml")
-              for d in _docs(name) for i in _images(d)]
+    images = [
+        i
+        for name in ("ray-cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml")
+        for d in _docs(name)
+        for i in _images(d)
+    ]
     assert images
     for image in images:
         match = IMAGE.match(image)
@@ -65,7 +73,8 @@ def test_rayjob_entrypoint_is_a_valid_hpsweep_run_on_the_ray_backend() -> None:
     assert ns.command == "run" and ns.backend == "ray" and ns.address == "auto"
     assert ns.scheduler in ("fifo", "asha", "hyperband", "pbt") and ns.sampler in ("random", "tpe")
     assert ns.output_dir.startswith("/mnt/sweeps/")  # on the volume every pod mounts
-    assert Path(ns.space_file).parent == Path("/home/ray/sweeps")  # where the Dockerfile copies space files
+    # where the Dockerfile copies space files
+    assert Path(ns.space_file).parent == Path("/home/ray/sweeps")
     assert (DEPLOY.parent / "search_spaces" / Path(ns.space_file).name).exists()
 
 
@@ -78,15 +87,22 @@ def test_resources_per_trial_fit_the_workers() -> None:
     for group in spec["workerGroupSpecs"]:
         ray_cpus = float(group["rayStartParams"]["num-cpus"])
         container = group["template"]["spec"]["containers"][0]
-        assert ray_cpus <= _cpus(container["resources"]["limits"]["cpu"])  # Ray offers no more than the pod has
+        # Ray offers no more than the pod has
+        assert ray_cpus <= _cpus(container["resources"]["limits"]["cpu"])
         gpus = float(container["resources"]["limits"].get("nvidia.com/gpu", 0))
-        assert per_trial["cpu"] <= ray_cpus and per_trial["gpu"] <= max(gpus, per_trial["gpu"] if gpus else 0)
+        assert per_trial["cpu"] <= ray_cpus and per_trial["gpu"] <= max(
+            gpus, per_trial["gpu"] if gpus else 0
+        )
         total_slots += int(ray_cpus // per_trial["cpu"]) * group["replicas"]
     assert ns.n_jobs <= total_slots  # --n-jobs trials can all run at once
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
 
     launcher = _docs("ray-cluster.yaml")[0]
-    workers = [t for name, t in launcher["available_node_types"].items() if name != launcher["head_node_type"]]
+    workers = [
+        t
+        for name, t in launcher["available_node_types"].items()
+        if name != launcher["head_node_type"]
+    ]
     assert all(per_trial["cpu"] <= t["resources"]["CPU"] for t in workers)
     assert launcher["docker"]["image"] == group["template"]["spec"]["containers"][0]["image"]
 
@@ -99,11 +115,21 @@ def test_every_pod_mounts_the_shared_sweep_volume() -> None:
         for group in groups:
             mounts = group["template"]["spec"]["containers"][0]["volumeMounts"]
             assert {"name": "sweeps", "mountPath": "/mnt/sweeps"} in mounts
-    claim = next(d for d in _docs("kuberay-raycluster.yaml") if d["kind"] == "PersistentVolumeClaim")
+    claim = next(
+        d for d in _docs("kuberay-raycluster.yaml") if d["kind"] == "PersistentVolumeClaim"
+    )
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_readme_walks_from_zero_to_a_sweep() -> None:
     readme = (DEPLOY / "README.md").read_text()
-    for step in ("docker build", "ray up", "kubectl apply", "hpsweep run", "--address", "shared", "--resume"):
+    for step in (
+        "docker build",
+        "ray up",
+        "kubectl apply",
+        "hpsweep run",
+        "--address",
+        "shared",
+        "--resume",
+    ):
         assert step in readme, step

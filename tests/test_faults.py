@@ -6,6 +6,7 @@ a table and is what bench/README.md reports:
 
     HPSWEEP_FAULT_MOMENTS=40 python -m pytest tests/test_faults.py -m faults -s
 """
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,21 @@ def test_random_interruptions_break_no_invariant(tmp_path: Path) -> None:
         before = finished_at(out)
         rerun = hpsweep_cli(*argv)
         if rerun.returncode != 0:
-            found.append(f"rerun exited {rerun.returncode}: {rerun.stderr.strip().splitlines()[-1:]}")
+            found.append(
+                f"rerun exited {rerun.returncode}: {rerun.stderr.strip().splitlines()[-1:]}"
+            )
         else:
             found += violations(out, N_TRIALS, before=before)
-        rows.append((i, f"--n-jobs {n_jobs}", signal.Signals(how).name, f"{delay:.1f}s", len(found), "; ".join(found)))
+        rows.append(
+            (
+                i,
+                f"--n-jobs {n_jobs}",
+                signal.Signals(how).name,
+                f"{delay:.1f}s",
+                len(found),
+                "; ".join(found),
+            )
+        )
     print("\n| # | mode | signal | after | violations | detail |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(map(str, row)) + " |")

@@ -3,6 +3,7 @@ labels, a tokenizer, a BERT classifier, DataCollatorWithPadding and hyperparamet
 
 Only the import of Trainer and TrainingArguments differs from the transformers version of this
 session; everything is built locally (no download)."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,22 @@ import datasets
 import huggingface_hub.utils as hub_utils
 import numpy as np
 import torch
+from conftest import timeless
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
-                          BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils import logging as hf_logging
 
-from hpsweep import Trainer, TrainingArguments  # was: from transformers import Trainer, TrainingArguments
-
-from conftest import timeless
+from hpsweep import (  # was: from transformers import Trainer, TrainingArguments
+    Trainer,
+    TrainingArguments,
+)
 
 POSITIVE = "good great fine lovely superb".split()
 NEGATIVE = "bad awful poor dreadful grim".split()
@@ -32,8 +41,13 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *POSITIVE, *NEGATIVE, *FILLER]
 def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   cls_token="[CLS]", sep_token="[SEP]")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+    )
 
 
 def sentences(n: int, seed: int) -> datasets.Dataset:
@@ -41,7 +55,9 @@ def sentences(n: int, seed: int) -> datasets.Dataset:
     text, label = [], []
     for _ in range(n):
         positive = rng.random() < 0.5
-        words = rng.sample(FILLER, rng.randint(2, 6)) + [rng.choice(POSITIVE if positive else NEGATIVE)]
+        words = rng.sample(FILLER, rng.randint(2, 6)) + [
+            rng.choice(POSITIVE if positive else NEGATIVE)
+        ]
         rng.shuffle(words)
         text.append(" ".join(words))
         label.append(int(positive))
@@ -58,8 +74,15 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     eval_dataset = sentences(64, seed=2).map(preprocess_function, batched=True)
 
     def model_init(trial):
-        config = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=32, num_labels=2)
+        config = BertConfig(
+            vocab_size=len(VOCAB),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+            num_labels=2,
+        )
         return BertForSequenceClassification(config)
 
     def compute_metrics(eval_pred):
@@ -67,18 +90,38 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
         return {"accuracy": float((np.argmax(predictions, axis=1) == labels).mean())}
 
     def hp_space(trial):
-        return {"learning_rate": trial.suggest_float("learning_rate", 3e-3, 3e-2, log=True),
-                "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [16, 32])}
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", 3e-3, 3e-2, log=True),
+            "per_device_train_batch_size": trial.suggest_categorical(
+                "per_device_train_batch_size", [16, 32]
+            ),
+        }
 
-    training_args = TrainingArguments(output_dir=str(tmp_path / "out"), eval_strategy="epoch", save_strategy="epoch",
-                                      num_train_epochs=3, per_device_eval_batch_size=32, weight_decay=0.01,
-                                      load_best_model_at_end=True, metric_for_best_model="accuracy",
-                                      report_to="none", disable_tqdm=True)
-    trainer = Trainer(model_init=model_init, args=training_args, train_dataset=train_dataset,
-                      eval_dataset=eval_dataset, processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer=tokenizer), compute_metrics=compute_metrics)
+    training_args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        num_train_epochs=3,
+        per_device_eval_batch_size=32,
+        weight_decay=0.01,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model_init=model_init,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer=tokenizer),
+        compute_metrics=compute_metrics,
+    )
     bars_before = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
-    best_run = trainer.hyperparameter_search(hp_space=hp_space, direction="maximize", backend="optuna", n_trials=2)
+    best_run = trainer.hyperparameter_search(
+        hp_space=hp_space, direction="maximize", backend="optuna", n_trials=2
+    )
 
     # It optimised the accuracy: with one metric, transformers' default objective is that metric.
     printed = capsys.readouterr()
@@ -86,7 +129,10 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     # Quietly (disable_tqdm): transformers 5's save_pretrained shows a bar for every save, so one
     # per checkpoint of every trial; the sweep turns them off while it saves, then back as they were.
     assert "Writing model shards" not in printed.err
-    assert (hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()) == bars_before
+    assert (
+        hf_logging.is_progress_bar_enabled(),
+        hub_utils.are_progress_bars_disabled(),
+    ) == bars_before
     out = tmp_path / "out"
     summary = json.loads((out / "best_run.json").read_text())
     assert summary["objective"] == summary["run_summary"]["metrics"]["eval_accuracy"] > 0.6
@@ -99,8 +145,11 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
 
     # ... and re-evaluating it gives the accuracy the sweep recorded.
     collator = DataCollatorWithPadding(tokenizer=loaded_tokenizer)
-    features = sentences(64, seed=2).map(lambda b: loaded_tokenizer(b["text"], truncation=True, max_length=16),
-                                         batched=True).remove_columns(["text"])
+    features = (
+        sentences(64, seed=2)
+        .map(lambda b: loaded_tokenizer(b["text"], truncation=True, max_length=16), batched=True)
+        .remove_columns(["text"])
+    )
     right = 0
     with torch.no_grad():
         for start in range(0, len(features), 32):
@@ -116,7 +165,8 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
     final = tmp_path / "final"
     trainer.args.output_dir = str(final)
     train_result = trainer.train()
-    assert train_result.metrics["eval_accuracy"] == best_run.objective  # the best trial, trained again
+    # the best trial, trained again
+    assert train_result.metrics["eval_accuracy"] == best_run.objective
 
     # run_glue.py's reporting, as it is written there
     metrics = train_result.metrics
@@ -132,26 +182,47 @@ def test_a_run_glue_style_search_moves_over_with_the_import_changed(tmp_path: Pa
 
     printed = capsys.readouterr().out
     assert "***** train metrics *****" in printed and "***** eval metrics *****" in printed
-    assert re.search(r"^  train_samples +=  +160$", printed, re.M)  # aligned, as transformers prints it
+    # aligned, as transformers prints it
+    assert re.search(r"^  train_samples +=  +160$", printed, re.M)
     assert re.search(r"^  train_runtime += +0:00:\d\d\.\d\d$", printed, re.M)  # h:mm:ss.cc
     assert metrics["train_loss"] == train_result.training_loss and metrics["epoch"] == 3.0
     assert metrics["train_steps_per_second"] > 0 and metrics["train_runtime"] > 0
-    assert AutoTokenizer.from_pretrained(final)("good film")["input_ids"] == tokenizer("good film")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(final)("good film")["input_ids"]
+        == tokenizer("good film")["input_ids"]
+    )
     assert json.loads((final / "train_results.json").read_text())["train_samples"] == 160
     assert json.loads((final / "all_results.json").read_text()) == {**metrics, **eval_metrics}
     state = json.loads((final / "trainer_state.json").read_text())
-    assert state["global_step"] == train_result.global_step and state["best_metric"] == best_run.objective
+    assert (
+        state["global_step"] == train_result.global_step
+        and state["best_metric"] == best_run.objective
+    )
+    # all but evaluate()'s
     assert [h["eval_accuracy"] for h in state["log_history"] if "eval_accuracy" in h] == [
-        h["eval_accuracy"] for h in trainer.state.log_history[:-1] if "eval_accuracy" in h]  # all but evaluate()'s
+        h["eval_accuracy"] for h in trainer.state.log_history[:-1] if "eval_accuracy" in h
+    ]
     test = sentences(48, seed=3).map(preprocess_function, batched=True)
     blind = trainer.predict(test.remove_columns("label"))
-    assert blind.label_ids is None and timeless(blind.metrics) == {} and blind.metrics["test_runtime"] > 0
+    assert (
+        blind.label_ids is None
+        and timeless(blind.metrics) == {}
+        and blind.metrics["test_runtime"] > 0
+    )
     features = test.remove_columns(["text", "label"])
-    saved = AutoModelForSequenceClassification.from_pretrained(final).eval()  # what save_model() wrote
+    saved = AutoModelForSequenceClassification.from_pretrained(
+        final
+    ).eval()  # what save_model() wrote
     with torch.no_grad():  # the logits the saved model gives, batch by batch
-        logits = torch.cat([saved(**collator([features[i] for i in range(s, min(s + 32, 48))])).logits
-                            for s in range(0, 48, 32)])
-    assert blind.predictions.shape == (48, 2) and np.allclose(blind.predictions, logits.numpy(), atol=1e-5)
+        logits = torch.cat(
+            [
+                saved(**collator([features[i] for i in range(s, min(s + 32, 48))])).logits
+                for s in range(0, 48, 32)
+            ]
+        )
+    assert blind.predictions.shape == (48, 2) and np.allclose(
+        blind.predictions, logits.numpy(), atol=1e-5
+    )
     labelled = trainer.predict(test)
     assert np.allclose(blind.predictions, labelled.predictions)
     assert np.array_equal(labelled.label_ids, test["label"])

@@ -1,5 +1,6 @@
 """The ledger keeps the trial records in memory; what other processes and people write must still
 reach it: a second command, a Ray worker on another host, a hand edit of trial.json."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ from hpsweep.ledger import Claim, Ledger
 @pytest.fixture
 def swept(tmp_path: Path) -> Path:
     """A finished sweep of 3 trials: what a second command finds."""
-    hpsweep_cli("run", write_space(tmp_path, epochs=1), "--n-trials", "3", "--pruner", "none", check=True)
+    hpsweep_cli(
+        "run", write_space(tmp_path, epochs=1), "--n-trials", "3", "--pruner", "none", check=True
+    )
     return tmp_path / "out"
 
 
@@ -76,4 +79,9 @@ def test_a_record_edited_by_hand_is_read_as_it_is_now(swept: Path, tmp_path: Pat
     assert Ledger(swept, n_trials=3).finished() == 2  # the next command's ledger
     # ... and the same command runs the trial it now lacks
     hpsweep_cli("run", tmp_path / "space.py", "--n-trials", "3", "--pruner", "none", check=True)
-    assert [r.state for r in runs.read_trials(swept)] == ["complete", "failed", "complete", "complete"]
+    assert [r.state for r in runs.read_trials(swept)] == [
+        "complete",
+        "failed",
+        "complete",
+        "complete",
+    ]

@@ -3,6 +3,7 @@ start-up heap frozen, in ``--n-jobs`` workers too, with what torch's first optim
 already there; what the space file left behind is collected, not kept; a program that runs the
 command in its own process gets its collector back as it was; the Python API leaves the
 collector alone."""
+
 from __future__ import annotations
 
 import json
@@ -43,14 +44,17 @@ def _probes(folder):
 def test_trials_of_the_command_run_on_a_frozen_start_up_heap_with_the_collector_on(tmp_path):
     probes = tmp_path / "probes"
     probes.mkdir()
-    space = write_space(tmp_path, epochs=20, extra=PROBE.format(folder=str(probes)))  # trials that overlap
+    # trials that overlap
+    space = write_space(tmp_path, epochs=20, extra=PROBE.format(folder=str(probes)))
     hpsweep_cli("run", space, "--n-trials", "4", "--n-jobs", "2", check=True)
     seen = _probes(probes)
     assert len(seen) == 4 and len({p["pid"] for p in seen}) == 2  # every trial, in both workers
     for p in seen:
         assert p["collecting"], p  # what trials make is collected
-        assert p["frozen"] > 10_000, p  # torch's, optuna's and the space file's objects are not scanned
-        assert p["optimizer_imports_done"], p  # no worker imports torch._dynamo again in its first trial
+        # torch's, optuna's and the space file's objects are not scanned
+        assert p["frozen"] > 10_000, p
+        # no worker imports torch._dynamo again in its first trial
+        assert p["optimizer_imports_done"], p
         assert not p["space_file_garbage_kept"], p  # collected before the heap was frozen
 
 
@@ -74,11 +78,15 @@ def test_a_program_gets_its_collector_back_and_the_python_api_leaves_it_alone(tm
         code = hpsweep.cli.main(["run", {str(space)!r}, "--n-trials", "1", "--output-dir", {str(tmp_path / "cli")!r}])
         print(json.dumps({{"after_api": after_api, "code": code, "after_cli": (gc.isenabled(), gc.get_freeze_count())}}))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["code"] == 0
     assert out["after_api"] == [True, 0] and out["after_cli"] == [False, 0]
     api_trial, cli_trial = sorted(_probes(probes), key=lambda p: p["frozen"])
-    assert api_trial["frozen"] == 0 and api_trial["collecting"]  # the API's trial: the user's collector as it was
-    assert cli_trial["frozen"] > 10_000 and cli_trial["collecting"]  # the command's trial, inside the program
+    # the API's trial: the user's collector as it was
+    assert api_trial["frozen"] == 0 and api_trial["collecting"]
+    # the command's trial, inside the program
+    assert cli_trial["frozen"] > 10_000 and cli_trial["collecting"]

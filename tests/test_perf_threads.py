@@ -1,4 +1,5 @@
 """A trial's torch threads: the cores the process may use, split between the trials running at once."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,14 @@ from hpsweep import devices, runs
 
 def split(parallel: int) -> int:
     """The threads each of ``parallel`` ``--n-jobs`` workers gets on this machine."""
-    return devices.plan(n_jobs=parallel, resources=None, gpus=[], cores=devices.usable_cores()).threads
+    return devices.plan(
+        n_jobs=parallel, resources=None, gpus=[], cores=devices.usable_cores()
+    ).threads
 
 
 def test_threads_split_the_usable_cores_between_parallel_trials() -> None:
-    cores = min(len(os.sched_getaffinity(0)), torch.get_num_threads())  # no CPU quota on this machine's cgroup
+    # no CPU quota on this machine's cgroup
+    cores = min(len(os.sched_getaffinity(0)), torch.get_num_threads())
     assert devices.usable_cores() == cores
     for parallel in (1, 2, 3, cores, 4 * cores):
         n = split(parallel)
@@ -29,11 +33,15 @@ def test_threads_split_the_usable_cores_between_parallel_trials() -> None:
 
 def test_a_process_pinned_to_one_core_gets_one_thread() -> None:
     # What `taskset -c 0 hpsweep run ... --n-jobs 1` or a one-CPU cpuset does: torch would still see every core.
-    code = ("import os, torch; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
-            "from hpsweep import devices; "
-            "devices.apply(devices.plan(n_jobs=1, resources=None, gpus=[], cores=devices.usable_cores()), 0); "
-            "print(torch.get_num_threads())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import os, torch; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+        "from hpsweep import devices; "
+        "devices.apply(devices.plan(n_jobs=1, resources=None, gpus=[], cores=devices.usable_cores()), 0); "
+        "print(torch.get_num_threads())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ["1"]
 
 
@@ -77,8 +85,18 @@ def test_a_sweep_beside_busy_processes_gives_its_trials_the_free_cores(tmp_path:
         time.sleep(1.0)
         hpsweep_cli("run", space, "--n-trials", "4", env=env, check=True)
         pinned = tmp_path / "pinned"
-        hpsweep_cli("run", space, "--n-trials", "2", "--output-dir", pinned, "--resources-per-trial", f"cpu={cores}",
-                    env=env, check=True)
+        hpsweep_cli(
+            "run",
+            space,
+            "--n-trials",
+            "2",
+            "--output-dir",
+            pinned,
+            "--resources-per-trial",
+            f"cpu={cores}",
+            env=env,
+            check=True,
+        )
     finally:
         for p in busy:
             p.kill()
@@ -133,7 +151,9 @@ def test_the_busy_time_of_the_cores_and_of_a_cgroup_is_read(tmp_path: Path) -> N
         pass
     assert first is not None and devices._cores_busy(None) - first >= 0.15
     # cgroup v2's cpu.stat (under a `docker --cpus` quota the cgroup's usage is what competes with us)
-    (tmp_path / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    (tmp_path / "cpu.stat").write_text(
+        "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n"
+    )
     assert devices._cgroup_busy(tmp_path) == 2.5
     assert devices._cgroup_busy(tmp_path / "missing") is None
 
@@ -142,13 +162,22 @@ def test_a_resumed_trial_starts_with_the_threads_it_had(tmp_path: Path) -> None:
     from hpsweep.runner import _started_with
 
     run_dir = tmp_path / "run-0"
-    record = runs.TrialRecord(id="0", number=0, backend="optuna", params={}, objective_name="eval_loss",
-                              directions=["minimize"], run_dir=str(run_dir),
-                              user_attrs={"threads": 1, "processes": 2})
+    record = runs.TrialRecord(
+        id="0",
+        number=0,
+        backend="optuna",
+        params={},
+        objective_name="eval_loss",
+        directions=["minimize"],
+        run_dir=str(run_dir),
+        user_attrs={"threads": 1, "processes": 2},
+    )
     run_dir.mkdir()
     latest = lambda: runs.latest_checkpoint(run_dir)  # noqa: E731 - as the runner reads it
-    assert _started_with(record, latest()) is None  # no checkpoint: it starts again from scratch, on today's share
+    # no checkpoint: it starts again from scratch, on today's share
+    assert _started_with(record, latest()) is None
     (run_dir / "checkpoint-5").mkdir()
-    assert _started_with(record, latest()) is None  # the model alone (save_only_model): it starts again too
+    # the model alone (save_only_model): it starts again too
+    assert _started_with(record, latest()) is None
     (run_dir / "checkpoint-5" / "optimizer.pt").touch()
     assert _started_with(record, latest()) == 2 and _started_with(None, None) is None

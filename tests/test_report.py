@@ -1,4 +1,5 @@
 """`hpsweep report DIR`: one self-contained HTML page, checked in headless Chromium."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import hpsweep_cli, write_space
 
 PLOTS = ("history", "importances", "parallel", "intermediate")
@@ -22,10 +22,26 @@ def _chromium() -> str:
 
 
 def _browse(page: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                           "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-                           f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=8000", *extra,
-                           page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp / 'chromium-profile'}",
+            "--virtual-time-budget=8000",
+            *extra,
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _sections(dom: str) -> dict[str, str]:
@@ -38,8 +54,12 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("report")
     # Random sampling over a wide learning-rate range (seed 1) prunes some trials before their last
     # evaluation, which is never offered for pruning.
-    space = write_space(folder, epochs=3, extra_args=', eval_strategy="epoch", save_strategy="epoch"',
-                        space='{"learning_rate": hpsweep.Float(1e-5, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8)}')
+    space = write_space(
+        folder,
+        epochs=3,
+        extra_args=', eval_strategy="epoch", save_strategy="epoch"',
+        space='{"learning_rate": hpsweep.Float(1e-5, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8)}',
+    )
     hpsweep_cli("run", space, "--n-trials", "6", "--seed", "1", "--sampler", "random", check=True)
     return folder / "out"
 
@@ -50,7 +70,7 @@ def test_report_renders_every_plot_in_a_browser(sweep: Path, tmp_path: Path) -> 
     assert proc.stdout.strip() == str(page)
     html = page.read_text()
     assert html.count("plotly.js v") == 1  # plotly.js inlined once
-    assert not re.search(r'<script[^>]+src=', html)  # and nothing fetched: the page works offline
+    assert not re.search(r"<script[^>]+src=", html)  # and nothing fetched: the page works offline
 
     dom = _browse(page, tmp_path, "--dump-dom").stdout
     sections = _sections(dom)
@@ -72,7 +92,11 @@ def test_report_renders_every_plot_in_a_browser(sweep: Path, tmp_path: Path) -> 
 
 def test_report_works_from_disk_alone_for_any_backend(sweep: Path, tmp_path: Path) -> None:
     copy = tmp_path / "sweep"
-    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("study.journal", ".study.journal.lock", "report.html"))
+    shutil.copytree(
+        sweep,
+        copy,
+        ignore=shutil.ignore_patterns("study.journal", ".study.journal.lock", "report.html"),
+    )
     for path in copy.glob("run-*/trial.json"):  # as a Ray sweep leaves it: no Optuna study on disk
         record = json.loads(path.read_text())
         record["backend"] = "ray"

@@ -1,5 +1,6 @@
 """save_only_model: checkpoints that hold the model alone (a third of the disk with AdamW), and
 what a trial stopped with them does: it starts again, and trains what an uninterrupted one trains."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,14 +21,18 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir())
 
 
-def test_a_sweep_keeps_the_model_alone_in_each_checkpoint_and_a_loadable_best(tmp_path: Path) -> None:
+def test_a_sweep_keeps_the_model_alone_in_each_checkpoint_and_a_loadable_best(
+    tmp_path: Path,
+) -> None:
     space = write_space(tmp_path, extra_args=", save_only_model=True")
     hpsweep_cli("run", space, "--n-trials", "2", "--pruner", "none", "--seed", "0", check=True)
     full = write_space(tmp_path, name="full.py", output_dir=str(tmp_path / "full"))
     hpsweep_cli("run", full, "--n-trials", "2", "--pruner", "none", "--seed", "0", check=True)
     out = tmp_path / "out"
     records = runs.read_trials(out)
-    assert [r.state for r in records] == ["complete", "complete"] and violations(out, 2, model_only=True) == []
+    assert [r.state for r in records] == ["complete", "complete"] and violations(
+        out, 2, model_only=True
+    ) == []
     for r in records:
         kept = runs.checkpoints(Path(r.run_dir))
         assert len(kept) == 2 and all({p.name for p in c.iterdir()} == MODEL_ONLY for c in kept)
@@ -39,13 +44,20 @@ def test_a_sweep_keeps_the_model_alone_in_each_checkpoint_and_a_loadable_best(tm
     full_record = runs.read_trials(tmp_path / "full")[0]
     full_checkpoint = Path(full_record.run_dir) / full_record.checkpoint
     assert "optimizer.pt" in {p.name for p in full_checkpoint.iterdir()}
-    assert folder_bytes(Path(records[0].run_dir) / records[0].checkpoint) < 0.5 * folder_bytes(full_checkpoint)
+    assert folder_bytes(Path(records[0].run_dir) / records[0].checkpoint) < 0.5 * folder_bytes(
+        full_checkpoint
+    )
 
 
 def test_a_trial_stopped_with_model_only_checkpoints_starts_again_and_trains_what_an_uninterrupted_one_does(
-        tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=1, extra=SLOW_TRIALS.format(step_s=0.03),
-                        extra_args=SLOW_ARGS + ", save_only_model=True")
+    tmp_path: Path,
+) -> None:
+    space = write_space(
+        tmp_path,
+        epochs=1,
+        extra=SLOW_TRIALS.format(step_s=0.03),
+        extra_args=SLOW_ARGS + ", save_only_model=True",
+    )
     out, ref = tmp_path / "out", tmp_path / "ref"
     # one thread pinned: the two sweeps' trials then round alike whatever else the machine runs
     same = ("--n-trials", "2", "--pruner", "none", "--seed", "0", "--resources-per-trial", "cpu=1")
@@ -69,7 +81,9 @@ def test_a_trial_stopped_with_model_only_checkpoints_starts_again_and_trains_wha
     assert all(torch.equal(a[k], b[k]) for k in b)
     # the earlier attempt's checkpoints went: the folder holds this attempt's alone
     steps = [int(c.name.split("-")[1]) for c in runs.checkpoints(Path(again.run_dir))]
-    assert steps == [int(c.name.split("-")[1]) for c in runs.checkpoints(Path(uninterrupted.run_dir))]
+    assert steps == [
+        int(c.name.split("-")[1]) for c in runs.checkpoints(Path(uninterrupted.run_dir))
+    ]
 
 
 class Net(torch.nn.Module):
@@ -88,17 +102,30 @@ def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def test_a_run_does_not_resume_from_the_model_alone_and_loads_its_best_model(tmp_path: Path) -> None:
-    args = hpsweep.TrainingArguments(output_dir=str(tmp_path), num_train_epochs=3, save_only_model=True,
-                                     learning_rate=0.1, load_best_model_at_end=True, disable_progress=True)
-    trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=data(64, 1), eval_dataset=data(32, 2))
+def test_a_run_does_not_resume_from_the_model_alone_and_loads_its_best_model(
+    tmp_path: Path,
+) -> None:
+    args = hpsweep.TrainingArguments(
+        output_dir=str(tmp_path),
+        num_train_epochs=3,
+        save_only_model=True,
+        learning_rate=0.1,
+        load_best_model_at_end=True,
+        disable_progress=True,
+    )
+    trainer = hpsweep.Trainer(
+        model_init=Net, args=args, train_dataset=data(64, 1), eval_dataset=data(32, 2)
+    )
     trainer.train()
     best = Path(trainer.state.best_model_checkpoint)
     assert {p.name for p in best.iterdir()} == MODEL_ONLY
     saved = load_file(best / "model.safetensors")
-    assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())  # the best, loaded at the end
+    # the best, loaded at the end
+    assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())
     # transformers would go on with a new optimizer and schedule: a different run; hpsweep says so
-    with pytest.raises(UserError, match=r"holds the model alone \(save_only_model=True\) and cannot resume"):
+    with pytest.raises(
+        UserError, match=r"holds the model alone \(save_only_model=True\) and cannot resume"
+    ):
         trainer.train(resume_from_checkpoint=True)
 
 

@@ -1,4 +1,5 @@
 """The sweep folder's Optuna study is Optuna's journal file: it must survive what stops a sweep."""
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,14 @@ import time
 from pathlib import Path
 
 from conftest import hpsweep_cli, load_sweep_study
+
 from hpsweep import runs
 from hpsweep.backends._journal import KernelLock
 
 
-def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(tmp_path: Path, space_file: Path) -> None:
+def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(
+    tmp_path: Path, space_file: Path
+) -> None:
     hpsweep_cli("run", space_file, "--n-trials", "2", "--pruner", "none", check=True)
     journal = tmp_path / "out" / "study.journal"
     whole = journal.read_bytes()
@@ -22,7 +26,8 @@ def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(tmp_path: P
         f.write(b'{"op_code":4,"worker_id":"x","trial_id":1,"par')
     hpsweep_cli("run", space_file, "--n-trials", "4", "--pruner", "none", check=True)
     assert journal.read_bytes().startswith(whole) and journal.read_bytes().endswith(b"\n")
-    study = load_sweep_study(tmp_path / "out")  # Optuna's own reader: it refuses lines after a torn one
+    # Optuna's own reader: it refuses lines after a torn one
+    study = load_sweep_study(tmp_path / "out")
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
     assert [r.number for r in runs.read_trials(tmp_path / "out")] == [0, 1, 2, 3]
 
@@ -39,7 +44,9 @@ time.sleep(600)
 
 def test_the_journal_lock_dies_with_a_process_killed_while_holding_it(tmp_path: Path) -> None:
     journal = tmp_path / "study.journal"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(journal)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(journal)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         mine = KernelLock(journal)

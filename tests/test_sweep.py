@@ -1,4 +1,5 @@
 """A user's session with the embedded Optuna default: write a space file, run the CLI, look at disk."""
+
 from __future__ import annotations
 
 import json
@@ -13,20 +14,26 @@ import numpy as np
 import optuna
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, hpsweep_cli, load_sweep_study, write_space
+from safetensors.torch import load_file
 
 from hpsweep import runs
 from hpsweep.spacefile import load_space_file
 
 
 def trials(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/trial.json"), key=lambda p: p.stat().st_mtime)]
+    return [
+        json.loads(p.read_text())
+        for p in sorted(out.glob("*/trial.json"), key=lambda p: p.stat().st_mtime)
+    ]
 
 
-def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space_file: Path) -> None:
-    proc = hpsweep_cli("run", space_file, "--n-trials", "4", "--pruner", "none", "--seed", "1", check=True)
+def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(
+    tmp_path: Path, space_file: Path
+) -> None:
+    proc = hpsweep_cli(
+        "run", space_file, "--n-trials", "4", "--pruner", "none", "--seed", "1", check=True
+    )
     out = tmp_path / "out"
     assert "best run-" in proc.stdout
     records = runs.read_trials(out)
@@ -34,8 +41,14 @@ def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space
     assert all(r.state == "complete" for r in records)
     for r in records:
         ckpt = Path(r.run_dir) / r.checkpoint
-        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
-                "training_args.json"} <= {p.name for p in ckpt.iterdir()}
+        assert {
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "training_args.json",
+        } <= {p.name for p in ckpt.iterdir()}
         assert len(r.history) == 2 and r.metrics["eval_accuracy"] == r.objective
     best = json.loads((out / "best_run.json").read_text())
     top = max(records, key=lambda r: r.objective)
@@ -43,7 +56,10 @@ def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space
     assert best["hyperparameters"] == top.params
     # best/ is the winning checkpoint, loadable as it is
     weights = load_file(out / "best" / "model.safetensors")
-    assert torch.equal(weights["net.0.weight"], load_file(Path(top.run_dir) / top.checkpoint / "model.safetensors")["net.0.weight"])
+    assert torch.equal(
+        weights["net.0.weight"],
+        load_file(Path(top.run_dir) / top.checkpoint / "model.safetensors")["net.0.weight"],
+    )
     assert weights["net.0.weight"].shape[0] == top.params["hidden"]
     assert "Best run" in (out / "best" / "README.md").read_text()
     assert (out / "study.journal").exists()
@@ -56,10 +72,25 @@ def test_sweep_leaves_runs_checkpoints_and_a_loadable_best(tmp_path: Path, space
 
 
 def test_params_reach_the_training_arguments(tmp_path: Path) -> None:
-    space = write_space(tmp_path, space='{"per_device_train_batch_size": hpsweep.Categorical([16, 64]), '
-                                        '"num_train_epochs": hpsweep.Int(1, 3), "gradient_accumulation_steps": '
-                                        'hpsweep.Categorical([1, 2])}')
-    hpsweep_cli("run", space, "--n-trials", "5", "--pruner", "none", "--sampler", "random", "--seed", "0", check=True)
+    space = write_space(
+        tmp_path,
+        space='{"per_device_train_batch_size": hpsweep.Categorical([16, 64]), '
+        '"num_train_epochs": hpsweep.Int(1, 3), "gradient_accumulation_steps": '
+        "hpsweep.Categorical([1, 2])}",
+    )
+    hpsweep_cli(
+        "run",
+        space,
+        "--n-trials",
+        "5",
+        "--pruner",
+        "none",
+        "--sampler",
+        "random",
+        "--seed",
+        "0",
+        check=True,
+    )
     for r in runs.read_trials(tmp_path / "out"):
         state = json.loads((Path(r.run_dir) / r.checkpoint / "trainer_state.json").read_text())
         args = json.loads((Path(r.run_dir) / r.checkpoint / "training_args.json").read_text())
@@ -82,7 +113,9 @@ def test_a_second_run_continues_the_same_study(tmp_path: Path, space_file: Path)
     assert len(runs.read_trials(out)) == 4
 
 
-def test_a_sweep_begun_in_an_sqlite_study_db_goes_on_there(tmp_path: Path, space_file: Path) -> None:
+def test_a_sweep_begun_in_an_sqlite_study_db_goes_on_there(
+    tmp_path: Path, space_file: Path
+) -> None:
     out = tmp_path / "out"
     url = f"sqlite:///{out / 'study.db'}"  # where hpsweep 0.1 kept the study
     hpsweep_cli("run", space_file, "--n-trials", "2", "--storage", url, check=True)
@@ -93,7 +126,9 @@ def test_a_sweep_begun_in_an_sqlite_study_db_goes_on_there(tmp_path: Path, space
 
 
 def test_median_pruning_stops_bad_trials_early(tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=6, space='{"learning_rate": hpsweep.Float(1e-6, 1e-1, log=True)}')
+    space = write_space(
+        tmp_path, epochs=6, space='{"learning_rate": hpsweep.Float(1e-6, 1e-1, log=True)}'
+    )
     hpsweep_cli("run", space, "--n-trials", "12", "--sampler", "random", "--seed", "3", check=True)
     records = runs.read_trials(tmp_path / "out")
     pruned = [r for r in records if r.state == "pruned"]
@@ -107,8 +142,12 @@ def test_median_pruning_stops_bad_trials_early(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "gp", "grid", "nsga2"])
 def test_every_sampler_runs(tmp_path: Path, sampler: str) -> None:
-    space = write_space(tmp_path, epochs=1, space='{"learning_rate": hpsweep.Float(0.01, 0.1, step=0.03), '
-                                                  '"hidden": hpsweep.Int(8, 16, step=8)}')
+    space = write_space(
+        tmp_path,
+        epochs=1,
+        space='{"learning_rate": hpsweep.Float(0.01, 0.1, step=0.03), '
+        '"hidden": hpsweep.Int(8, 16, step=8)}',
+    )
     hpsweep_cli("run", space, "--n-trials", "3", "--sampler", sampler, "--seed", "0", check=True)
     records = runs.read_trials(tmp_path / "out")
     assert len(records) == 3 and all(r.state == "complete" for r in records)
@@ -127,12 +166,16 @@ def test_every_pruner_runs(tmp_path: Path, pruner: str) -> None:
 
 
 def test_failing_trial_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
-    space = write_space(tmp_path, space='{"hidden": hpsweep.Categorical([8, 16])}', model_init='''
+    space = write_space(
+        tmp_path,
+        space='{"hidden": hpsweep.Categorical([8, 16])}',
+        model_init="""
         def model_init(trial):
             if trial.params["hidden"] == 8:
                 raise RuntimeError("CUDA out of memory (simulated by the user's model_init)")
             return Net(hidden=trial.params["hidden"])
-        ''')
+        """,
+    )
     proc = hpsweep_cli("run", space, "--n-trials", "6", "--sampler", "random", "--seed", "0")
     assert proc.returncode == 0, proc.stderr
     records = runs.read_trials(tmp_path / "out")
@@ -158,9 +201,22 @@ def test_processes_sharing_one_storage_share_the_work(tmp_path: Path) -> None:
     # Trials long enough (~0.4 s) that the six outlast the gap between the two processes' start-ups.
     space = write_space(tmp_path, epochs=30)
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    cmd = [sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", "6", "--storage", url,
-           "--pruner", "none"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpsweep.cli",
+        "run",
+        str(space),
+        "--n-trials",
+        "6",
+        "--storage",
+        url,
+        "--pruner",
+        "none",
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)
+    ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     study = optuna.load_study(study_name="space", storage=url)
     numbers = sorted(t.number for t in study.trials)
@@ -169,10 +225,16 @@ def test_processes_sharing_one_storage_share_the_work(tmp_path: Path) -> None:
 
 
 def test_multi_objective_returns_the_pareto_front(tmp_path: Path) -> None:
-    space = write_space(tmp_path, direction=["maximize", "minimize"], objective="unused", extra='''
+    space = write_space(
+        tmp_path,
+        direction=["maximize", "minimize"],
+        objective="unused",
+        extra="""
         def objective(metrics):
             return metrics["eval_accuracy"], metrics["eval_loss"]
-        ''', space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), "hidden": hpsweep.Int(4, 32, step=4)}')
+        """,
+        space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), "hidden": hpsweep.Int(4, 32, step=4)}',
+    )
     hpsweep_cli("run", space, "--n-trials", "6", "--sampler", "nsga2", "--seed", "0", check=True)
     front = json.loads((tmp_path / "out" / "best_run.json").read_text())
     assert isinstance(front, list) and front
@@ -186,16 +248,21 @@ def test_multi_objective_returns_the_pareto_front(tmp_path: Path) -> None:
 def test_timeout_stops_starting_trials(tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=40)
     start = time.monotonic()
-    hpsweep_cli("run", space, "--n-trials", "1000", "--timeout", "4", "--pruner", "none", check=True)
+    hpsweep_cli(
+        "run", space, "--n-trials", "1000", "--timeout", "4", "--pruner", "none", check=True
+    )
     assert time.monotonic() - start < 120
     assert 1 <= len(runs.read_trials(tmp_path / "out")) < 1000
 
 
 def test_hp_name_cannot_escape_the_output_folder(tmp_path: Path) -> None:
-    space = write_space(tmp_path, extra='''
+    space = write_space(
+        tmp_path,
+        extra="""
         def hp_name(trial):
             return "../../escaped/" + "x" * 300 if trial.number == 0 else ".."
-        ''')
+        """,
+    )
     hpsweep_cli("run", space, "--n-trials", "2", check=True)
     out = tmp_path / "out"
     assert not (tmp_path / "escaped").exists() and not (tmp_path.parent / "escaped").exists()
@@ -206,10 +273,28 @@ def test_hp_name_cannot_escape_the_output_folder(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_records_the_running_trial_and_a_rerun_resumes_it(tmp_path: Path) -> None:
-    space = write_space(tmp_path, epochs=100000, extra_args=', save_strategy="steps", save_steps=20, '
-                                                           'eval_strategy="steps", eval_steps=20, max_steps=100000')
-    proc = subprocess.Popen([sys.executable, "-m", "hpsweep.cli", "run", str(space), "--n-trials", "2",
-                             "--pruner", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    space = write_space(
+        tmp_path,
+        epochs=100000,
+        extra_args=', save_strategy="steps", save_steps=20, '
+        'eval_strategy="steps", eval_steps=20, max_steps=100000',
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpsweep.cli",
+            "run",
+            str(space),
+            "--n-trials",
+            "2",
+            "--pruner",
+            "none",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run0 = tmp_path / "out" / "run-0"
     deadline = time.monotonic() + 120
     while len(runs.checkpoints(run0)) < 3 and time.monotonic() < deadline:
@@ -227,7 +312,17 @@ def test_ctrl_c_records_the_running_trial_and_a_rerun_resumes_it(tmp_path: Path)
 
     # Make the rerun short: the re-queued trial resumes from the checkpoint, then stops at max_steps.
     step = int(last.name.split("-")[1])
-    hpsweep_cli("run", space, "--n-trials", "1", "--pruner", "none", "--set", f"max_steps={step + 20}", check=True)
+    hpsweep_cli(
+        "run",
+        space,
+        "--n-trials",
+        "1",
+        "--pruner",
+        "none",
+        "--set",
+        f"max_steps={step + 20}",
+        check=True,
+    )
     [resumed] = runs.read_trials(tmp_path / "out")  # the same trial, in the same folder
     assert (resumed.number, resumed.run_dir) == (0, str(run0))
     assert resumed.state == "complete" and resumed.params == record.params
@@ -249,8 +344,15 @@ def test_show_lists_trials_as_table_and_json(tmp_path: Path, space_file: Path) -
 
 
 def test_the_shipped_digits_space_runs(tmp_path: Path) -> None:
-    proc = hpsweep_cli("run", ROOT / "search_spaces" / "digits_mlp.py", "--n-trials", "3", "--output-dir",
-                       tmp_path / "digits", check=True)
+    proc = hpsweep_cli(
+        "run",
+        ROOT / "search_spaces" / "digits_mlp.py",
+        "--n-trials",
+        "3",
+        "--output-dir",
+        tmp_path / "digits",
+        check=True,
+    )
     best = json.loads((tmp_path / "digits" / "best_run.json").read_text())
     assert 0.5 < best["objective"] <= 1.0 and "best run-" in proc.stdout
 

@@ -1,5 +1,6 @@
 """Search backends. Each is one module behind `Backend`; `get_backend` imports it lazily, so an
 extra that is not installed costs nothing until its backend is asked for."""
+
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,9 @@ def get_backend(name: str, settings: SearchSettings) -> Backend:
     return backend_class(name)(settings)
 
 
-def transformers_keywords(name: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+def transformers_keywords(
+    name: str, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """`Backend.transformers_keywords` of the backend ``name``; nothing changed when there is no such
     backend or its package is missing (`get_backend` then says so)."""
     try:
@@ -46,5 +49,12 @@ def backend_class(name: str) -> type[Backend]:
     return getattr(module, class_name)
 
 
-__all__ = ["Backend", "SearchSettings", "TrialFailed", "TrialFunction", "get_backend", "transformers_keywords",
-           "BACKENDS"]
+__all__ = [
+    "Backend",
+    "SearchSettings",
+    "TrialFailed",
+    "TrialFunction",
+    "get_backend",
+    "transformers_keywords",
+    "BACKENDS",
+]

@@ -1,4 +1,5 @@
 """The one interface a search backend implements."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -48,7 +49,8 @@ class SearchSettings:
     address: str | None = None
     resources_per_trial: dict[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
     options: dict[str, Any] = field(default_factory=dict)
-    backend: str = ""  # the backend's name, for sweep callbacks that record it (MLflow, model cards)
+    # the backend's name, for sweep callbacks that record it (MLflow, model cards)
+    backend: str = ""
     max_failed_trials: int = 5
     processes_per_trial: int = 1
     #: The optional settings the user gave explicitly (checked against `Backend.reads`).
@@ -96,26 +98,40 @@ class Backend:
         self._check_choice("scheduler", settings.scheduler, self.schedulers)
         for name in sorted(settings.given - self.reads):
             flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag}: the {self.name} backend does not use it; drop {flag}"
-                            + (f" or use --backend {OWNERS[name]}" if name in OWNERS else ""))
+            raise UserError(
+                f"{flag}: the {self.name} backend does not use it; drop {flag}"
+                + (f" or use --backend {OWNERS[name]}" if name in OWNERS else "")
+            )
         unknown = sorted(set(settings.options) - set(self.option_names))
         if unknown:
-            takes = f"it takes {', '.join(self.option_names)}" if self.option_names else "it takes none"
-            raise UserError(f"unknown {self.name} option(s) {', '.join(unknown)}{did_you_mean(unknown[0], self.option_names)}; "
-                            f"{takes}")
+            takes = (
+                f"it takes {', '.join(self.option_names)}" if self.option_names else "it takes none"
+            )
+            raise UserError(
+                f"unknown {self.name} option(s) {', '.join(unknown)}{did_you_mean(unknown[0], self.option_names)}; "
+                f"{takes}"
+            )
         if settings.n_jobs > 1 and not self.parallel:
-            raise UserError(f"--n-jobs {settings.n_jobs}: the {self.name} backend runs one trial at a time; drop --n-jobs")
+            raise UserError(
+                f"--n-jobs {settings.n_jobs}: the {self.name} backend runs one trial at a time; drop --n-jobs"
+            )
 
     def _check_choice(self, what: str, value: Any, allowed: Sequence[str]) -> None:
         if value is None or (not isinstance(value, str) and self._takes_object(what, value)):
             return
         if not allowed:
-            raise UserError(f"--{what} {value}: the {self.name} backend has no {what}s; drop --{what}")
+            raise UserError(
+                f"--{what} {value}: the {self.name} backend has no {what}s; drop --{what}"
+            )
         if value not in allowed:
-            raise UserError(f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend")
+            raise UserError(
+                f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend"
+            )
 
     @staticmethod
-    def transformers_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    def transformers_keywords(
+        options: dict[str, Any],
+    ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """The keywords transformers hands this backend's library, which its users pass to
         ``hyperparameter_search``, as hpsweep's: the options left, the search settings they stand
         for (``sampler``, ``storage``, ``timeout``, ``n_jobs``, ``max_failed_trials``,

@@ -9,6 +9,7 @@ is a new Optuna trial with the same params (enqueued), while the cut-short one i
 with the user attribute ``hpsweep_stopped``, so the study never keeps a trial RUNNING that no
 process runs.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,7 +26,6 @@ from ..trial import Trial
 from ._base import Backend, SearchSettings
 from ._journal import journal_storage
 
-
 #: The study of a sweep folder: Optuna's journal file (an append-only log of the study's changes).
 STUDY_FILE = "study.journal"
 #: hpsweep 0.1 kept the study in SQLite; a folder holding one goes on with it.
@@ -39,24 +39,31 @@ class OptunaTrial(Trial):
     define_by_run = True
     reads_checkpoints = False
 
-    def __init__(self, trial: optuna.Trial, multi_objective: bool, number: int | None = None) -> None:
+    def __init__(
+        self, trial: optuna.Trial, multi_objective: bool, number: int | None = None
+    ) -> None:
         super().__init__(trial.number if number is None else number, trial.params)
         self._trial = trial
         self._multi = multi_objective
         self.ref = trial._trial_id
 
-    def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
+    def report(
+        self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
+    ) -> None:
         if not self._multi and objective is not None:  # Optuna prunes single-objective studies only
             self._trial.report(float(objective), step)
 
     def should_prune(self) -> bool:
         return not self._multi and self._trial.should_prune()
 
-    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False,
-                      step: float | None = None) -> float:
+    def suggest_float(
+        self, name: str, low: float, high: float, *, log: bool = False, step: float | None = None
+    ) -> float:
         return self._keep(name, self._trial.suggest_float(name, low, high, log=log, step=step))
 
-    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False, step: int = 1) -> int:
+    def suggest_int(
+        self, name: str, low: int, high: int, *, log: bool = False, step: int = 1
+    ) -> int:
         return self._keep(name, self._trial.suggest_int(name, low, high, log=log, step=step))
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
@@ -93,15 +100,22 @@ class OptunaBackend(Backend):
         super().__init__(settings)
         if settings.sampler == "grid":
             if settings.space is None:
-                raise UserError("--sampler grid needs a `space` dict (a grid cannot be define-by-run)")
+                raise UserError(
+                    "--sampler grid needs a `space` dict (a grid cannot be define-by-run)"
+                )
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
         #: the journal file holding the study, or None for a storage URL (--storage sqlite:///..., ...)
         self.journal: Path | None = None
         legacy = settings.output_dir / LEGACY_STUDY_FILE
         if settings.storage and "://" in settings.storage:
             self.storage_url = settings.storage
-        elif not settings.storage and legacy.exists() and not (settings.output_dir / STUDY_FILE).exists():
-            self.storage_url = f"sqlite:///{legacy.resolve()}"  # a sweep begun by hpsweep 0.1 goes on there
+        elif (
+            not settings.storage
+            and legacy.exists()
+            and not (settings.output_dir / STUDY_FILE).exists()
+        ):
+            # a sweep begun by hpsweep 0.1 goes on there
+            self.storage_url = f"sqlite:///{legacy.resolve()}"
         else:
             self.journal = Path(settings.storage or settings.output_dir / STUDY_FILE).resolve()
             self.storage_url = str(self.journal)
@@ -113,8 +127,10 @@ class OptunaBackend(Backend):
     def _takes_object(self, what: str, value: Any) -> bool:
         kinds = {"sampler": optuna.samplers.BaseSampler, "pruner": optuna.pruners.BasePruner}
         if what in kinds and not isinstance(value, kinds[what]):
-            raise UserError(f"{what}={value!r} is neither a name nor an optuna.{what}s.Base{what.title()}; "
-                            f"give one of {', '.join(self.samplers if what == 'sampler' else self.pruners)}")
+            raise UserError(
+                f"{what}={value!r} is neither a name nor an optuna.{what}s.Base{what.title()}; "
+                f"give one of {', '.join(self.samplers if what == 'sampler' else self.pruners)}"
+            )
         return what in kinds
 
     def _sampler(self, stream: int) -> optuna.samplers.BaseSampler:
@@ -157,12 +173,16 @@ class OptunaBackend(Backend):
             try:
                 return journal_storage(self.journal)
             except OSError as exc:
-                raise UserError(f"the study's journal {self.journal} cannot be written ({exc.strerror}); "
-                                "give --storage a path in a writable folder") from None
+                raise UserError(
+                    f"the study's journal {self.journal} cannot be written ({exc.strerror}); "
+                    "give --storage a path in a writable folder"
+                ) from None
         url = self.storage_url
         if url.startswith("sqlite"):
             # Several processes write one SQLite file: wait for its lock instead of failing.
-            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": 120}}
+            )
             _fast_sqlite(storage)
             return storage
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
@@ -174,17 +194,24 @@ class OptunaBackend(Backend):
                 return self._load_study(stream)
             except _StorageError as exc:
                 if attempt == 5:
-                    raise UserError(f"--storage {self.storage_url} cannot be opened ({exc}); "
-                                    "check the URL and that the database is reachable") from None
+                    raise UserError(
+                        f"--storage {self.storage_url} cannot be opened ({exc}); "
+                        "check the URL and that the database is reachable"
+                    ) from None
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
     def _load_study(self, stream: int) -> optuna.Study:
         s = self.settings
         try:
-            study = optuna.create_study(storage=self._storage(), study_name=s.study_name,
-                                        sampler=self._sampler(stream), pruner=self._pruner(),
-                                        directions=s.directions, load_if_exists=True)
+            study = optuna.create_study(
+                storage=self._storage(),
+                study_name=s.study_name,
+                sampler=self._sampler(stream),
+                pruner=self._pruner(),
+                directions=s.directions,
+                load_if_exists=True,
+            )
         except ImportError as exc:
             raise UserError(f"--storage {self.storage_url}: {exc}") from None
         except Exception as exc:
@@ -193,8 +220,10 @@ class OptunaBackend(Backend):
             raise
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
-            raise UserError(f"study {s.study_name!r} in {self.storage_url} was created to {', '.join(stored)}, not "
-                            f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir")
+            raise UserError(
+                f"study {s.study_name!r} in {self.storage_url} was created to {', '.join(stored)}, not "
+                f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir"
+            )
         return study
 
     # --- asking and telling ------------------------------------------------------------------------------
@@ -215,11 +244,16 @@ class OptunaBackend(Backend):
         study = self.study
         assert study is not None, "open() first"
         s = self.settings
-        if again is not None:  # the same params again, as a new Optuna trial (the cut-short one is FAIL)
-            study.enqueue_trial(again.params, user_attrs={"hpsweep_again": again.id}, skip_if_exists=False)
+        # the same params again, as a new Optuna trial (the cut-short one is FAIL)
+        if again is not None:
+            study.enqueue_trial(
+                again.params, user_attrs={"hpsweep_again": again.id}, skip_if_exists=False
+            )
         elif self._grid_done(study):
             return None
-        trial = OptunaTrial(study.ask(), s.multi_objective, number=None if again is None else again.number)
+        trial = OptunaTrial(
+            study.ask(), s.multi_objective, number=None if again is None else again.number
+        )
         if again is not None:
             trial.id = again.id
         for name, dist in (s.space or {}).items():
@@ -227,8 +261,10 @@ class OptunaBackend(Backend):
                 suggest(trial, name, dist)
             except ValueError as exc:  # the stored study knows this name with another distribution
                 study.tell(trial._trial, state=TrialState.FAIL)
-                raise UserError(f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} recorded "
-                                f"({exc}); keep the space, or use another --study-name or --output-dir") from None
+                raise UserError(
+                    f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} recorded "
+                    f"({exc}); keep the space, or use another --study-name or --output-dir"
+                ) from None
         return trial
 
     def tell(self, trial: Any, state: str, value: Any = None) -> None:

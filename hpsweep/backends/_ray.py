@@ -33,6 +33,7 @@ without ``--output-dir``).
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,10 +61,28 @@ from ..ledger import AGAIN
 from ..loop import RESTARTS_PER_WORKER, Interrupted
 from ..space import Float, Int
 from ._base import Backend, SearchSettings
-from ._ray_cluster import (collect_shipped_runs, connected, output_dir_marker, pickle_space_modules_by_value,
-                           shipped_record, stop_file)
-from ._ray_search import (VariantGenerator, fresh_copy, is_tune_object, mode, native_space, own_metric, scheduler,
-                          scheduler_kind, search_algorithm, tune_run_keywords, tune_space, worst_of)
+from ._ray_cluster import (
+    collect_shipped_runs,
+    connected,
+    output_dir_marker,
+    pickle_space_modules_by_value,
+    shipped_record,
+    stop_file,
+)
+from ._ray_search import (
+    VariantGenerator,
+    fresh_copy,
+    is_tune_object,
+    mode,
+    native_space,
+    own_metric,
+    scheduler,
+    scheduler_kind,
+    search_algorithm,
+    tune_run_keywords,
+    tune_space,
+    worst_of,
+)
 from ._ray_trial import AGAIN_KEY, METRIC, USER_ERROR_KEY, RoundPlan, trainable
 
 EXPERIMENT_DIR = ".ray"
@@ -72,10 +91,12 @@ WAIT_S = 2.0  # how often the driver looks again while only other commands' tria
 # stop, those on this host; always, the runs shipped from nodes without --output-dir): a stopped
 # trial's actor waits up to 8 s for its ending (see _ray_trial.trainable).
 ENDINGS_WAIT_S = 15.0
-DEATHS_TO_FAIL = 2  # rounds of one command in which a trial's worker died before it is recorded failed
+# rounds of one command in which a trial's worker died before it is recorded failed
+DEATHS_TO_FAIL = 2
 
 
 # --- the backend ----------------------------------------------------------------------------------
+
 
 class RayBackend(Backend):
     """Search with Ray Tune. Samplers: tpe (default; Optuna's TPE via `OptunaSearch`), random;
@@ -96,52 +117,86 @@ class RayBackend(Backend):
     pruners = ()
     schedulers = ("fifo", "asha", "hyperband", "pbt")
     reads = frozenset({"storage", "address", "resources_per_trial"})
-    _takes_object, transformers_keywords = staticmethod(is_tune_object), staticmethod(tune_run_keywords)
-    option_names = ("max_failures", "reuse_actors", "max_t", "reduction_factor", "perturbation_interval", "storage",
-                    "name")
+    _takes_object, transformers_keywords = (
+        staticmethod(is_tune_object),
+        staticmethod(tune_run_keywords),
+    )
+    option_names = (
+        "max_failures",
+        "reuse_actors",
+        "max_t",
+        "reduction_factor",
+        "perturbation_interval",
+        "storage",
+        "name",
+    )
 
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
         self.native = native_space(settings.hp_space)  # Ray Tune domains from hp_space(None), if so
         # Tune's own scheduler and search algorithm objects, as given (a copy per round)
-        self.scheduler_object, self.sampler_object = (None if isinstance(v, (str, type(None))) else v
-                                                       for v in (settings.scheduler, settings.sampler))
-        self.scheduler_name = scheduler_kind(self.scheduler_object) if self.scheduler_object else \
-            settings.scheduler or "fifo"
-        self.sampler_name = type(self.sampler_object).__name__ if self.sampler_object else \
-            settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
+        self.scheduler_object, self.sampler_object = (
+            None if isinstance(v, (str, type(None))) else v
+            for v in (settings.scheduler, settings.sampler)
+        )
+        self.scheduler_name = (
+            scheduler_kind(self.scheduler_object)
+            if self.scheduler_object
+            else settings.scheduler or "fifo"
+        )
+        self.sampler_name = (
+            type(self.sampler_object).__name__
+            if self.sampler_object
+            else settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
+        )
         # One made with its own metric (PBT(metric="eval_acc", ...)) ranks trials by it, not the objective
         self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
         if self.scheduler_name == "pbt" and self.sampler_name != "random":
-            raise UserError("--scheduler pbt chooses params itself and takes no search algorithm; "
-                            "use --sampler random (or drop --sampler)")
+            raise UserError(
+                "--scheduler pbt chooses params itself and takes no search algorithm; "
+                "use --sampler random (or drop --sampler)"
+            )
         if settings.hp_space is not None and self.native is None and self.sampler_name != "tpe":
-            raise UserError("a define-by-run hp_space runs on the ray backend only with --sampler tpe; "
-                            "use --sampler tpe or declare a `space` dict")
+            raise UserError(
+                "a define-by-run hp_space runs on the ray backend only with --sampler tpe; "
+                "use --sampler tpe or declare a `space` dict"
+            )
         grid = self.native is not None and any(isinstance(v, dict) for v in self.native.values())
         if grid and self.sampler_name == "tpe":
-            raise UserError("hp_space uses tune.grid_search, which Optuna's TPE cannot sample; use --sampler random")
+            raise UserError(
+                "hp_space uses tune.grid_search, which Optuna's TPE cannot sample; use --sampler random"
+            )
         if settings.multi_objective and self.scheduler_name != "fifo":
-            raise UserError(f"--scheduler {self.scheduler_name} stops trials by one metric; with "
-                            f"{len(settings.directions)} directions use --scheduler fifo")
+            raise UserError(
+                f"--scheduler {self.scheduler_name} stops trials by one metric; with "
+                f"{len(settings.directions)} directions use --scheduler fifo"
+            )
         if self.scheduler_name == "pbt" and settings.space is None and self.native is None:
-            raise UserError("--scheduler pbt mutates a `space` dict (or an hp_space of Ray Tune domains); "
-                            "declare `space` instead of a define-by-run hp_space")
+            raise UserError(
+                "--scheduler pbt mutates a `space` dict (or an hp_space of Ray Tune domains); "
+                "declare `space` instead of a define-by-run hp_space"
+            )
         resources = dict(settings.resources_per_trial)
         unknown = sorted(set(resources) - {"cpu", "gpu"})
         if unknown:
-            raise UserError(f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)")
+            raise UserError(
+                f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
+            )
         if resources.get("cpu", 1.0) < 0 or resources.get("gpu", 0.0) < 0:
             raise UserError(f"--resources-per-trial {resources}: resources cannot be negative")
         # A data-parallel trial (--processes-per-trial N) runs N processes forked by its Tune worker:
         # a CPU for each by default, as the GPUs are one per process (`hpsweep.devices.plan`).
-        self.resources = {"cpu": resources.get("cpu", float(settings.processes_per_trial)),
-                          "gpu": resources.get("gpu", 0.0)}
+        self.resources = {
+            "cpu": resources.get("cpu", float(settings.processes_per_trial)),
+            "gpu": resources.get("gpu", 0.0),
+        }
         storage = settings.options.get("storage") or settings.storage
         if storage and "://" in str(storage):
             self.storage_path = str(storage)
         else:
-            self.storage_path = str(Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR)
+            self.storage_path = str(
+                Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR
+            )
         self.max_failures = int(settings.options.get("max_failures", 1))
         # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
         # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
@@ -149,7 +204,8 @@ class RayBackend(Backend):
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
         # Rounds in which Tune saw each trial's worker die, in this command.
         self._deaths: collections.Counter[str] = collections.Counter()
-        self._workers_lost = 0  # Tune trials that ended in ERROR (their worker died), in this command
+        # Tune trials that ended in ERROR (their worker died), in this command
+        self._workers_lost = 0
 
     # --- running ------------------------------------------------------------------------------------
 
@@ -163,19 +219,42 @@ class RayBackend(Backend):
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
         runner = self._runner(loop.runner)
         job = getattr(loop.runner, "job", None)
-        pickle_space_modules_by_value([] if job is None else [
-            job.model_init, job.hp_space, job.hp_name, job.compute_metrics, job.objective, type(job.args),
-            job.trainer_cls, *map(type, job.callbacks)])
-        with connected(self.settings.address, self.resources["cpu"]), _StopSignals() as signals, \
-                output_dir_marker(self.settings.output_dir) as marker:
-            if "gpu" not in self.settings.resources_per_trial and ray.cluster_resources().get("GPU", 0) > 0:
+        pickle_space_modules_by_value(
+            []
+            if job is None
+            else [
+                job.model_init,
+                job.hp_space,
+                job.hp_name,
+                job.compute_metrics,
+                job.objective,
+                type(job.args),
+                job.trainer_cls,
+                *map(type, job.callbacks),
+            ]
+        )
+        with (
+            connected(self.settings.address, self.resources["cpu"]),
+            _StopSignals() as signals,
+            output_dir_marker(self.settings.output_dir) as marker,
+        ):
+            if (
+                "gpu" not in self.settings.resources_per_trial
+                and ray.cluster_resources().get("GPU", 0) > 0
+            ):
                 # A cluster (--address) with GPUs and no gpu= given: a GPU per process, as on one machine.
                 self.resources["gpu"] = float(self.settings.processes_per_trial)
             signals.stop_file = stop_file(self.settings.output_dir, marker)
             deadline = loop.deadline_wall
-            plan = RoundPlan(marker=marker, n_trials=self.settings.n_trials, started=loop.started,
-                             max_failed_trials=self.settings.max_failed_trials, deadline=deadline,
-                             budget=self._evaluation_budget(runner), worst_extra=worst_of(self.own_metric))
+            plan = RoundPlan(
+                marker=marker,
+                n_trials=self.settings.n_trials,
+                started=loop.started,
+                max_failed_trials=self.settings.max_failed_trials,
+                deadline=deadline,
+                budget=self._evaluation_budget(runner),
+                worst_extra=worst_of(self.own_metric),
+            )
             while deadline is None or time.time() < deadline:
                 if not self._next_round(loop, runner, plan, signals):
                     return
@@ -187,8 +266,12 @@ class RayBackend(Backend):
         if self.native is None:
             return runner
         job = runner.job
-        apply_params(job.args, {n: None for n in self.native if n not in field_types(type(job.args))},
-                     model_takes_trial=job.model_takes_trial, source="hp_space")
+        apply_params(
+            job.args,
+            {n: None for n in self.native if n not in field_types(type(job.args))},
+            model_takes_trial=job.model_takes_trial,
+            source="hp_space",
+        )
         runner = copy.copy(runner)
         runner.job = dataclasses.replace(job, hp_space=None)
         return runner
@@ -203,40 +286,82 @@ class RayBackend(Backend):
         waiting = [r for r in records if r.state == AGAIN]
         if waiting:
             again = {r.id: dataclasses.asdict(r) for r in waiting}
-            self._round(ledger, runner, dataclasses.replace(plan, again=again), records, live, signals)
+            self._round(
+                ledger, runner, dataclasses.replace(plan, again=again), records, live, signals
+            )
             return True
         n = self.settings.n_trials
-        need = max(2 * self.settings.n_jobs, 4) if n is None else n - ledger.finished(records) - len(live)
+        need = (
+            max(2 * self.settings.n_jobs, 4)
+            if n is None
+            else n - ledger.finished(records) - len(live)
+        )
         if need > 0:
             self._round(ledger, runner, plan, records, live, signals, new=need)
         elif live:
-            time.sleep(WAIT_S)  # other commands' trials run: they may end cut short and need running again
+            # other commands' trials run: they may end cut short and need running again
+            time.sleep(WAIT_S)
         return need > 0 or bool(live)
 
-    def _round(self, ledger: Any, runner: Any, plan: RoundPlan, records: list[runs.TrialRecord], live: list[Any],
-               signals: _StopSignals, *, new: int = 0) -> None:
+    def _round(
+        self,
+        ledger: Any,
+        runner: Any,
+        plan: RoundPlan,
+        records: list[runs.TrialRecord],
+        live: list[Any],
+        signals: _StopSignals,
+        *,
+        new: int = 0,
+    ) -> None:
         s = self.settings
         single = not s.multi_objective
-        first = 1 + max([r.number for r in records] + [_lease_number(lease) for lease in live], default=-1)
+        first = 1 + max(
+            [r.number for r in records] + [_lease_number(lease) for lease in live], default=-1
+        )
         if plan.again:  # the trials to run again, as they are: no searcher, no scheduler
             numbers = {r["id"]: r["number"] for r in plan.again.values()}
             param_space: dict[str, Any] = {AGAIN_KEY: tune.grid_search(sorted(plan.again))}
-            search_alg, trial_scheduler, samples = VariantGenerator(None, max_concurrent=s.n_jobs), None, 1
+            search_alg, trial_scheduler, samples = (
+                VariantGenerator(None, max_concurrent=s.n_jobs),
+                None,
+                1,
+            )
             namer = _TrialNamer(first, offset=0, numbers=numbers)
         else:
             param_space, samples = self.param_space, new
             define_by_run = s.hp_space is not None and self.native is None
-            search_alg = fresh_copy(self.sampler_object) if self.sampler_object else search_algorithm(
-                s, self.sampler_name, param_space, define_by_run, records, plan.deadline,
-                explicit_metric=self.own_metric is not None)
-            trial_scheduler = fresh_copy(self.scheduler_object) if self.scheduler_object else \
-                scheduler(s, self.scheduler_name, param_space, plan.budget)
+            search_alg = (
+                fresh_copy(self.sampler_object)
+                if self.sampler_object
+                else search_algorithm(
+                    s,
+                    self.sampler_name,
+                    param_space,
+                    define_by_run,
+                    records,
+                    plan.deadline,
+                    explicit_metric=self.own_metric is not None,
+                )
+            )
+            trial_scheduler = (
+                fresh_copy(self.scheduler_object)
+                if self.scheduler_object
+                else scheduler(s, self.scheduler_name, param_space, plan.budget)
+            )
             namer = _TrialNamer(first, offset=1 if self.sampler_name == "tpe" else 0)
         run_metric = single and self.own_metric is None  # a user's object with its own takes none
         tune_config = tune.TuneConfig(
-            metric=METRIC if run_metric else None, mode=mode(s.directions[0]) if run_metric else None,
-            search_alg=search_alg, scheduler=trial_scheduler, num_samples=samples, max_concurrent_trials=s.n_jobs,
-            reuse_actors=self.reuse_actors, trial_name_creator=namer, trial_dirname_creator=namer)
+            metric=METRIC if run_metric else None,
+            mode=mode(s.directions[0]) if run_metric else None,
+            search_alg=search_alg,
+            scheduler=trial_scheduler,
+            num_samples=samples,
+            max_concurrent_trials=s.n_jobs,
+            reuse_actors=self.reuse_actors,
+            trial_name_creator=namer,
+            trial_dirname_creator=namer,
+        )
         stopper = _StopOnUserError(signals.stop_file)
         # Tune's copies of the checkpoints: 2 a trial, except under PBT, which restores a trial from
         # another's checkpoint some time after choosing it; by then that trial may have saved two
@@ -244,12 +369,21 @@ class RayBackend(Backend):
         keep = None if self.scheduler_name == "pbt" else 2
         run_config = tune.RunConfig(
             name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
-                 f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
-            storage_path=self.storage_path, verbose=0, stop=stopper,
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
+            storage_path=self.storage_path,
+            verbose=0,
+            stop=stopper,
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=keep), progress_reporter=None, log_to_file=False)
-        tuner = tune.Tuner(tune.with_resources(trainable(runner, plan), self.resources), param_space=param_space,
-                           tune_config=tune_config, run_config=run_config)
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
+            progress_reporter=None,
+            log_to_file=False,
+        )
+        tuner = tune.Tuner(
+            tune.with_resources(trainable(runner, plan), self.resources),
+            param_space=param_space,
+            tune_config=tune_config,
+            run_config=run_config,
+        )
         with signals.tune_running():
             results = tuner.fit()
         trials = results._experiment_analysis.trials
@@ -268,18 +402,31 @@ class RayBackend(Backend):
         if "num_train_epochs" in searched and "num_train_epochs" not in space:
             return None  # a Tune domain: its bounds are Tune's business
         epochs = space.get("num_train_epochs")
-        high = epochs.high if isinstance(epochs, (Float, Int)) else \
-            max(epochs.choices) if epochs else args.num_train_epochs
+        high = (
+            epochs.high
+            if isinstance(epochs, (Float, Int))
+            else max(epochs.choices)
+            if epochs
+            else args.num_train_epochs
+        )
         return max(1, math.ceil(high))
 
     # --- after a round ------------------------------------------------------------------------------
 
-    def _reconcile(self, ledger: Any, trials: list[Any], results: Any, stopper: _StopOnUserError,
-                   signals: _StopSignals) -> None:
+    def _reconcile(
+        self,
+        ledger: Any,
+        trials: list[Any],
+        results: Any,
+        stopper: _StopOnUserError,
+        signals: _StopSignals,
+    ) -> None:
         """Make trial.json say what Tune did where a trial could not say so itself: a trial the
         sweep's stop cut short runs again, not ``pruned``; a trial whose worker died runs again,
         unless that happened in `DEATHS_TO_FAIL` rounds (then it failed)."""
-        user_error = next((m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None)
+        user_error = next(
+            (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
+        )
         # Tune stops every trial the same way (SystemExit in tune.report, status TERMINATED),
         # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut
         # short (a trial that saw the stop file said so itself; one on a node without it could not).
@@ -300,16 +447,22 @@ class RayBackend(Backend):
                 elif died and record.state in ("running", AGAIN):
                     self._deaths[record.id] += 1
                     if self._deaths[record.id] >= DEATHS_TO_FAIL:
-                        record.finish("failed", error=f"its Ray worker died in {self._deaths[record.id]} rounds "
-                                                      "of Tune; see Ray's logs (out of memory?)")
+                        record.finish(
+                            "failed",
+                            error=f"its Ray worker died in {self._deaths[record.id]} rounds "
+                            "of Tune; see Ray's logs (out of memory?)",
+                        )
             ledger.reap()  # workers that died with the round: their trials run again
         if user_error:
             raise UserError(str(user_error))
         if signals.stopped_at is not None:
             raise Interrupted(signals.signum)
-        if self._workers_lost > RESTARTS_PER_WORKER * self.settings.n_jobs:  # before a trial could even record
-            raise RuntimeError(f"{self._workers_lost} Ray workers died (Tune's trials ended in ERROR); "
-                               "see Ray's logs and the system log (out of memory?)")
+        # before a trial could even record
+        if self._workers_lost > RESTARTS_PER_WORKER * self.settings.n_jobs:
+            raise RuntimeError(
+                f"{self._workers_lost} Ray workers died (Tune's trials ended in ERROR); "
+                "see Ray's logs and the system log (out of memory?)"
+            )
 
 
 class _StopOnUserError(tune.Stopper):
@@ -417,12 +570,17 @@ def _await_endings(ledger: Any, trial_ids: set[str], timeout: float = ENDINGS_WA
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(str(lease.trial) in trial_ids and lease.on_this_host and lease.alive() for lease in ledger.leases()):
+        if not any(
+            str(lease.trial) in trial_ids and lease.on_this_host and lease.alive()
+            for lease in ledger.leases()
+        ):
             return
         time.sleep(0.1)
 
 
-def _await_shipped_runs(tune_trials: list[Any], output_dir: Path, timeout: float = ENDINGS_WAIT_S) -> None:
+def _await_shipped_runs(
+    tune_trials: list[Any], output_dir: Path, timeout: float = ENDINGS_WAIT_S
+) -> None:
     """Wait until every trial of a round that trained has a record, up to ``timeout`` seconds.
 
     A trial on a node without ``--output-dir`` records its ending in a node-local folder and ships
@@ -433,11 +591,18 @@ def _await_shipped_runs(tune_trials: list[Any], output_dir: Path, timeout: float
     that trained (reported a result) and whose worker did not die has its record in
     ``--output-dir`` (it ran on a node that sees it) or shipped.
     """
+
     def pending() -> list[Any]:
         here = {r.id for r in runs.read_trials(output_dir)}
-        return [t for t in tune_trials if t.status != "ERROR" and METRIC in (t.last_result or {})
-                and USER_ERROR_KEY not in t.last_result and str(t.config.get(AGAIN_KEY) or t.trial_id) not in here
-                and ((shipped := shipped_record(t)) is None or shipped.state == "running")]
+        return [
+            t
+            for t in tune_trials
+            if t.status != "ERROR"
+            and METRIC in (t.last_result or {})
+            and USER_ERROR_KEY not in t.last_result
+            and str(t.config.get(AGAIN_KEY) or t.trial_id) not in here
+            and ((shipped := shipped_record(t)) is None or shipped.state == "running")
+        ]
 
     deadline = time.monotonic() + timeout
     while pending() and time.monotonic() < deadline:

@@ -11,6 +11,7 @@ that runs on the workers); nothing here decides what to try.
   node-local run folder and ships it through Ray's storage; `collect_shipped_runs` copies it into
   ``--output-dir`` on the driver when the Tune round ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,12 +52,19 @@ WORKER_ENV = {"TUNE_FUNCTION_THREAD_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "1"}
 # loggers, usage reporting); users may still override each of these in their environment.
 # Tune's strict metric check is off because hpsweep itself reports results without the objective
 # (a failed trial, a user error), on purpose.
-QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
-             "RAY_AIR_NEW_OUTPUT": "0", "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "100000",
-             "RAY_DEDUP_LOGS": "1", "RAY_TRAIN_V2_ENABLED": "0", "TUNE_DISABLE_STRICT_METRIC_CHECKING": "1"}
+QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
+    "RAY_AIR_NEW_OUTPUT": "0",
+    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "100000",
+    "RAY_DEDUP_LOGS": "1",
+    "RAY_TRAIN_V2_ENABLED": "0",
+    "TUNE_DISABLE_STRICT_METRIC_CHECKING": "1",
+}
 
 
 # --- connecting -------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def connected(address: str | None, cpus: float) -> Iterator[None]:
@@ -67,20 +75,33 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
     if ray.is_initialized():  # a Python API user connected already
         yield
         return
-    kwargs: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=False, configure_logging=True,
-                                  runtime_env={"env_vars": dict(WORKER_ENV)})
+    kwargs: dict[str, Any] = dict(
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        configure_logging=True,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+    )
     watchdog = None
     if address is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(cpus)), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", **kwargs)
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, math.ceil(cpus)),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            **kwargs,
+        )
         watchdog = _start_watchdog()
     else:
         check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
-        except Exception as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
-            raise UserError(f"--address {address}: cannot join the Ray cluster ({_first_line(exc)}); "
-                            "check the address and that `ray status` works there") from None
+        except (
+            Exception
+        ) as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
+            raise UserError(
+                f"--address {address}: cannot join the Ray cluster ({_first_line(exc)}); "
+                "check the address and that `ray status` works there"
+            ) from None
     try:
         yield
     finally:
@@ -142,8 +163,12 @@ def _start_watchdog() -> subprocess.Popen | None:
     except Exception:  # a private API: without it the watchdog goes by process names alone
         session = ""
     try:
-        return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), session],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), session],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     except OSError:
         return None
 
@@ -153,8 +178,10 @@ def check_reachable(address: str) -> None:
     if address == "auto":
         address = os.environ.get("RAY_ADDRESS") or _current_cluster() or ""
         if not address:
-            raise UserError("--address auto: no Ray cluster runs on this machine; start one with "
-                            "`ray start --head`, or give --address HOST:PORT")
+            raise UserError(
+                "--address auto: no Ray cluster runs on this machine; start one with "
+                "`ray start --head`, or give --address HOST:PORT"
+            )
         if address.startswith("ray://") or ":" not in address:
             return
     target = address.split("://", 1)[-1]
@@ -164,15 +191,20 @@ def check_reachable(address: str) -> None:
     try:
         speaks_grpc = _speaks_grpc(host, int(port))
     except OSError as exc:
-        raise UserError(f"--address {address}: no Ray cluster answers there ({exc.strerror or type(exc).__name__}); "
-                        "check the address, that the head node runs (`ray status`) and that its port is open") from None
+        raise UserError(
+            f"--address {address}: no Ray cluster answers there ({exc.strerror or type(exc).__name__}); "
+            "check the address, that the head node runs (`ray status`) and that its port is open"
+        ) from None
     if not speaks_grpc:  # ray.init would wait on it for minutes
-        raise UserError(f"--address {address}: something listens there but it is not a Ray cluster (no gRPC "
-                        "answer); give the head node's GCS port (`ray status` on the head prints it, 6379 by "
-                        "default) or ray://HOST:10001")
+        raise UserError(
+            f"--address {address}: something listens there but it is not a Ray cluster (no gRPC "
+            "answer); give the head node's GCS port (`ray status` on the head prints it, 6379 by "
+            "default) or ray://HOST:10001"
+        )
 
 
-_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
+# + an empty SETTINGS frame
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def _speaks_grpc(host: str, port: int) -> bool:
@@ -226,15 +258,25 @@ def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
     for obj in user_objects:
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         file = getattr(module, "__file__", None)
-        if module is None or not file or module.__name__ == "__main__" or _installed(file) \
-                or module.__name__.split(".")[0] == "hpsweep":
+        if (
+            module is None
+            or not file
+            or module.__name__ == "__main__"
+            or _installed(file)
+            or module.__name__.split(".")[0] == "hpsweep"
+        ):
             continue
         cloudpickle.register_pickle_by_value(module)
         folders.add(Path(file).resolve().parent)
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and not name.startswith("hpsweep") and not file.endswith("__init__.py") and not _installed(file) \
-                and Path(file).resolve().parent in folders:
+        if (
+            file
+            and not name.startswith("hpsweep")
+            and not file.endswith("__init__.py")
+            and not _installed(file)
+            and Path(file).resolve().parent in folders
+        ):
             cloudpickle.register_pickle_by_value(module)
 
 
@@ -244,6 +286,7 @@ def _installed(file: str) -> bool:
 
 
 # --- nodes without --output-dir ---------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def output_dir_marker(output_dir: Path) -> Iterator[str]:
@@ -284,9 +327,13 @@ class NodeLocalRuns:
         job = runner.job
         experiment = runs.safe_name(ctx.get_experiment_name(), "sweep")
         base = os.environ.get(LOCAL_RUNS_ENV) or tempfile.gettempdir()
-        self.folder = Path(base).resolve() / f"hpsweep-{experiment}-{marker[:12]}" / ctx.get_trial_id()
+        self.folder = (
+            Path(base).resolve() / f"hpsweep-{experiment}-{marker[:12]}" / ctx.get_trial_id()
+        )
         self.runner = copy.copy(runner)
-        self.runner.job = dataclasses.replace(job, args=job.args.replace(output_dir=str(self.folder)))
+        self.runner.job = dataclasses.replace(
+            job, args=job.args.replace(output_dir=str(self.folder))
+        )
         storage = ctx.get_storage()
         self.fs = storage.storage_filesystem
         self.remote = f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
@@ -300,7 +347,9 @@ class NodeLocalRuns:
         remote = remote or self.remote
         record = remote_record(self.fs, remote)
         if record is not None:
-            record.run_dir = str(self.folder / runs.safe_name(Path(record.run_dir).name, f"run-{record.id}"))
+            record.run_dir = str(
+                self.folder / runs.safe_name(Path(record.run_dir).name, f"run-{record.id}")
+            )
             _download_from_fs_path(self.fs, remote, record.run_dir, filelock=False)
             record.save()  # with this node's path
         return record
@@ -315,13 +364,19 @@ class NodeLocalRuns:
             record.user_attrs.update(ray_shipped_from=record.run_dir, ray_shipped_to=self.remote)
             record.save()
             if ray_storage._exists_at_fs_path(self.fs, self.remote):
-                ray_storage._delete_fs_path(self.fs, self.remote)  # drop checkpoints rotated away since the last trip
+                # drop checkpoints rotated away since the last trip
+                ray_storage._delete_fs_path(self.fs, self.remote)
             # trial.json last: whoever sees it in Ray's storage sees the whole folder (`shipped_record`)
             for entry in sorted(Path(record.run_dir).iterdir()):
                 if entry.name != runs.TRIAL_FILE:
-                    ray_storage._upload_to_fs_path(str(entry), self.fs, f"{self.remote}/{entry.name}")
-            ray_storage._upload_to_fs_path(str(Path(record.run_dir) / runs.TRIAL_FILE), self.fs,
-                                           f"{self.remote}/{runs.TRIAL_FILE}")
+                    ray_storage._upload_to_fs_path(
+                        str(entry), self.fs, f"{self.remote}/{entry.name}"
+                    )
+            ray_storage._upload_to_fs_path(
+                str(Path(record.run_dir) / runs.TRIAL_FILE),
+                self.fs,
+                f"{self.remote}/{runs.TRIAL_FILE}",
+            )
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):

@@ -7,6 +7,7 @@ trial that gave no result (it failed, or the ledger had no place for it) is told
 FAIL, which TPE ignores, not as its stand-in objective; and a round's TPE starts from the
 results of the trials that earlier rounds (or commands) completed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,8 @@ from ..space import Categorical, Distribution, Float, Int
 from ._base import SearchSettings
 from ._ray_trial import FAILED_KEY, METRIC, USER_ERROR_KEY
 
-
 # --- the space -----------------------------------------------------------------------------------
+
 
 def tune_domain(dist: Distribution) -> Any:
     """A backend-neutral distribution as a Ray Tune search-space domain (same bounds, both included)."""
@@ -38,14 +39,22 @@ def tune_domain(dist: Distribution) -> Any:
             return tune.loguniform(dist.low, dist.high)
         if dist.step is not None:  # Tune quantises to multiples of q; off-grid bounds need a choice
             aligned = abs(dist.low / dist.step - round(dist.low / dist.step)) < 1e-9
-            return tune.quniform(dist.low, dist.high, dist.step) if aligned else tune.choice(dist.grid())
+            return (
+                tune.quniform(dist.low, dist.high, dist.step)
+                if aligned
+                else tune.choice(dist.grid())
+            )
         return tune.uniform(dist.low, dist.high)
     if isinstance(dist, Int):
         if dist.log:
             return tune.lograndint(dist.low, dist.high + 1)
         if dist.step == 1:
             return tune.randint(dist.low, dist.high + 1)
-        return tune.qrandint(dist.low, dist.high, dist.step) if dist.low % dist.step == 0 else tune.choice(dist.grid())
+        return (
+            tune.qrandint(dist.low, dist.high, dist.step)
+            if dist.low % dist.step == 0
+            else tune.choice(dist.grid())
+        )
     assert isinstance(dist, Categorical)
     return tune.choice(list(dist.choices))
 
@@ -74,8 +83,17 @@ def _is_domain(value: Any) -> bool:
 
 # --- search algorithms and schedulers ---------------------------------------------------------
 
-def search_algorithm(settings: SearchSettings, sampler: str, param_space: dict[str, Any], define_by_run: bool,
-                     records: list[runs.TrialRecord], deadline: float | None, *, explicit_metric: bool = False) -> Any:
+
+def search_algorithm(
+    settings: SearchSettings,
+    sampler: str,
+    param_space: dict[str, Any],
+    define_by_run: bool,
+    records: list[runs.TrialRecord],
+    deadline: float | None,
+    *,
+    explicit_metric: bool = False,
+) -> Any:
     """Tune's search algorithm for one round of new trials: random, or Optuna's TPE warm-started
     from the complete ``records`` (seeded past them, so a later round draws other params).
     ``explicit_metric``: the round's config names no metric (a user's scheduler has its own), so
@@ -98,19 +116,30 @@ def search_algorithm(settings: SearchSettings, sampler: str, param_space: dict[s
 
         def sample(ot_trial: Any) -> None:  # sampled on the driver, replayed on the worker
             hp_space(OptunaTrial(ot_trial, multi))
+
         space = sample
     elif not s.multi_objective:  # Optuna takes no earlier results for a define-by-run space
         points, rewards = _warm_start(param_space, records)
-    metrics: Any = None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
+    metrics: Any = (
+        None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
+    )
     modes: Any = None if not s.multi_objective else [mode(d) for d in s.directions]
     if explicit_metric and not s.multi_objective:
         metrics, modes = METRIC, mode(s.directions[0])
-    return _OptunaSearch(deadline, space=space, metric=metrics, mode=modes,
-                         sampler=optuna.samplers.TPESampler(seed=seed), points_to_evaluate=points,
-                         evaluated_rewards=rewards)
+    return _OptunaSearch(
+        deadline,
+        space=space,
+        metric=metrics,
+        mode=modes,
+        sampler=optuna.samplers.TPESampler(seed=seed),
+        points_to_evaluate=points,
+        evaluated_rewards=rewards,
+    )
 
 
-def scheduler(settings: SearchSettings, name: str, param_space: dict[str, Any], budget: int | None) -> Any:
+def scheduler(
+    settings: SearchSettings, name: str, param_space: dict[str, Any], budget: int | None
+) -> Any:
     """Tune's trial scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
     from ray.tune.schedulers import (
         ASHAScheduler,
@@ -123,25 +152,39 @@ def scheduler(settings: SearchSettings, name: str, param_space: dict[str, Any], 
     eta = opts.get("reduction_factor", 3)
     if name == "asha":
         # Rungs at 1, eta, eta^2, ... evaluations; max_t beyond the budget so no trial is cut at its end.
-        return ASHAScheduler(time_attr="training_iteration", grace_period=1, reduction_factor=eta,
-                             max_t=(budget or 10_000) + 1)
+        return ASHAScheduler(
+            time_attr="training_iteration",
+            grace_period=1,
+            reduction_factor=eta,
+            max_t=(budget or 10_000) + 1,
+        )
     if name == "hyperband":
-        return HyperBandScheduler(time_attr="training_iteration", max_t=budget or 81, reduction_factor=eta)
+        return HyperBandScheduler(
+            time_attr="training_iteration", max_t=budget or 81, reduction_factor=eta
+        )
     if name == "pbt":
         # A checkpoint only loads into the same model: mutate training arguments, keep model params.
-        mutations = {n: d for n, d in param_space.items() if n in FIELD_NAMES and isinstance(d, Domain)}
+        mutations = {
+            n: d for n, d in param_space.items() if n in FIELD_NAMES and isinstance(d, Domain)
+        }
         if not mutations:
-            raise UserError("--scheduler pbt mutates TrainingArguments fields (learning_rate, weight_decay, ...) "
-                            "and the space has none; add one to the space or use --scheduler asha")
+            raise UserError(
+                "--scheduler pbt mutates TrainingArguments fields (learning_rate, weight_decay, ...) "
+                "and the space has none; add one to the space or use --scheduler asha"
+            )
         # require_attrs: a trial the ledger had no place for ends without any result.
-        return PopulationBasedTraining(time_attr="training_iteration", require_attrs=False,
-                                       perturbation_interval=opts.get("perturbation_interval", 1),
-                                       hyperparam_mutations=mutations)
+        return PopulationBasedTraining(
+            time_attr="training_iteration",
+            require_attrs=False,
+            perturbation_interval=opts.get("perturbation_interval", 1),
+            hyperparam_mutations=mutations,
+        )
     return FIFOScheduler()
 
 
 # Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
 # trials left ends when its running trials do, not after Tune started each of them for nothing.
+
 
 class VariantGenerator(BasicVariantGenerator):
     def __init__(self, deadline: float | None, **kwargs: Any) -> None:
@@ -172,15 +215,21 @@ class _OptunaSearch(OptunaSearch):
         if _has_result(result, self.metric):
             super().on_trial_result(trial_id, result)
 
-    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+    def on_trial_complete(
+        self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
+    ) -> None:
         has = _has_result(result, self.metric)
         super().on_trial_complete(trial_id, result if has else None, error=error or not has)
 
 
 def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -> bool:
     metrics = metric if isinstance(metric, list) else [metric]
-    return bool(result) and FAILED_KEY not in result and USER_ERROR_KEY not in result and \
-        all(m in result for m in metrics)  # type: ignore[operator]
+    return (
+        bool(result)
+        and FAILED_KEY not in result
+        and USER_ERROR_KEY not in result
+        and all(m in result for m in metrics)
+    )  # type: ignore[operator]
 
 
 def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
@@ -192,7 +241,11 @@ def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) ->
         return None, None
     points, rewards = [], []
     for r in records:
-        if r.state != "complete" or not isinstance(r.objective, (int, float)) or not set(dists) <= set(r.params):
+        if (
+            r.state != "complete"
+            or not isinstance(r.objective, (int, float))
+            or not set(dists) <= set(r.params)
+        ):
             continue
         try:
             if all(d._contains(d.to_internal_repr(r.params[n])) for n, d in dists.items()):
@@ -212,9 +265,21 @@ def mode(direction: str) -> str:
 #: ``tune.run`` keywords that shape only Tune's own bookkeeping and output, which hpsweep keeps
 #: itself: each run's checkpoints (``save_total_limit``), its progress display and trial folders,
 #: its failure records, and the objective it optimises (``compute_objective`` / ``direction``).
-TUNE_BOOKKEEPING = ("keep_checkpoints_num", "checkpoint_score_attr", "checkpoint_freq", "checkpoint_at_end",
-                    "checkpoint_config", "progress_reporter", "log_to_file", "verbose", "trial_name_creator",
-                    "trial_dirname_creator", "raise_on_failed_trial", "metric", "mode")
+TUNE_BOOKKEEPING = (
+    "keep_checkpoints_num",
+    "checkpoint_score_attr",
+    "checkpoint_freq",
+    "checkpoint_at_end",
+    "checkpoint_config",
+    "progress_reporter",
+    "log_to_file",
+    "verbose",
+    "trial_name_creator",
+    "trial_dirname_creator",
+    "raise_on_failed_trial",
+    "metric",
+    "mode",
+)
 
 
 def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
@@ -228,8 +293,13 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     import datetime
 
     left, settings = dict(options), {}
-    for tune_name, ours in (("search_alg", "sampler"), ("local_dir", "storage"), ("storage_path", "storage"),
-                            ("time_budget_s", "timeout"), ("max_concurrent_trials", "n_jobs")):
+    for tune_name, ours in (
+        ("search_alg", "sampler"),
+        ("local_dir", "storage"),
+        ("storage_path", "storage"),
+        ("time_budget_s", "timeout"),
+        ("max_concurrent_trials", "n_jobs"),
+    ):
         value = left.pop(tune_name, None)
         if value is not None:
             settings[ours] = value
@@ -239,13 +309,21 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         settings["max_failed_trials"] = 1
     stop = left.pop("stop", None)
     if stop:
-        raise UserError(f"stop={stop!r}: hpsweep ends a trial where its TrainingArguments say (num_train_epochs, "
-                        "max_steps) and stops bad ones with --scheduler; set max_steps in the space or args instead")
+        raise UserError(
+            f"stop={stop!r}: hpsweep ends a trial where its TrainingArguments say (num_train_epochs, "
+            "max_steps) and stops bad ones with --scheduler; set max_steps in the space or args instead"
+        )
     ignored = [name for name in TUNE_BOOKKEEPING if name in left]
     for name in ignored:
         del left[name]
-    note = (f"{', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself (each run's "
-            "checkpoints by save_total_limit, its progress, the objective it was given); ignored") if ignored else None
+    note = (
+        (
+            f"{', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself (each run's "
+            "checkpoints by save_total_limit, its progress, the objective it was given); ignored"
+        )
+        if ignored
+        else None
+    )
     return left, settings, note
 
 
@@ -254,7 +332,8 @@ def own_metric(obj: Any) -> tuple[str, str] | None:
     example: ``PopulationBasedTraining(metric="eval_acc", mode="max")``), or None: it takes the
     run's, hpsweep's objective."""
     metric = getattr(obj, "metric", None)
-    mode_ = getattr(obj, "mode", None) or getattr(obj, "_mode", None)  # schedulers keep it unexposed
+    # schedulers keep it unexposed
+    mode_ = getattr(obj, "mode", None) or getattr(obj, "_mode", None)
     return (metric, mode_ or "max") if isinstance(metric, str) and metric else None
 
 
@@ -276,13 +355,18 @@ def scheduler_kind(scheduler_object: Any) -> str:
 
     if not isinstance(scheduler_object, PopulationBasedTraining):
         return type(scheduler_object).__name__
-    mutated = getattr(scheduler_object, "_hyperparam_mutations", None) or \
-        getattr(scheduler_object, "_hyperparam_bounds", None) or {}  # PB2's
+    mutated = (
+        getattr(scheduler_object, "_hyperparam_mutations", None)
+        or getattr(scheduler_object, "_hyperparam_bounds", None)
+        or {}
+    )  # PB2's
     others = sorted(set(mutated) - set(FIELD_NAMES))
     if others:
-        raise UserError(f"{type(scheduler_object).__name__} mutates {', '.join(others)}, which no TrainingArguments "
-                        "field holds: a trial it restores from another's checkpoint keeps that trial's model; mutate "
-                        "training arguments only (learning_rate, weight_decay, ...)")
+        raise UserError(
+            f"{type(scheduler_object).__name__} mutates {', '.join(others)}, which no TrainingArguments "
+            "field holds: a trial it restores from another's checkpoint keeps that trial's model; mutate "
+            "training arguments only (learning_rate, weight_decay, ...)"
+        )
     return "pbt"
 
 

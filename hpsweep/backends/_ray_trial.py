@@ -23,6 +23,7 @@ end of a round, ends the actor: the trial's own ending (its record, the lease, a
 shipped) runs on a daemon thread the actor's exit would cut short. The trainable Tune gets
 (`trainable`) waits for that ending in its ``stop``; `_InFlight` also holds the actor's exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -63,7 +64,8 @@ class RoundPlan:
     started: float  # when the command started: failures since then count toward the limit
     max_failed_trials: int
     deadline: float | None  # wall-clock time after which no new trial starts (--timeout)
-    budget: int | None  # evaluations of a full trial, when known (a scheduler's stop then is no prune)
+    # evaluations of a full trial, when known (a scheduler's stop then is no prune)
+    budget: int | None
     #: In a round of re-runs: the records of the trials to run again, by id (for nodes without the folder).
     again: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What a trial without a result reports besides the objective: the worst value of the metric a
@@ -81,29 +83,44 @@ class RayTrial(Trial):
     """
 
     backend = "ray"
-    reads_checkpoints = True  # each result carries its checkpoint: PBT and paused trials resume from it
+    # each result carries its checkpoint: PBT and paused trials resume from it
+    reads_checkpoints = True
 
-    def __init__(self, number: int, params: dict[str, Any], *, id: str, budget: int | None = None) -> None:
+    def __init__(
+        self, number: int, params: dict[str, Any], *, id: str, budget: int | None = None
+    ) -> None:
         super().__init__(number, params, id=id)
         self._budget = budget
         self._stopped = False
-        self._detached = False  # Tune has let go of this trial: reporting again would block for ever
+        # Tune has let go of this trial: reporting again would block for ever
+        self._detached = False
         self.stop_file: Path | None = None  # see _ray_cluster.stop_file
 
-    def report(self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None) -> None:
+    def report(
+        self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
+    ) -> None:
         if self._detached:
             return
-        result = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        result = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         result.update(objective_metrics(objective))
         result["evaluation"] = step
         try:
-            tune.report(result, checkpoint=tune.Checkpoint.from_directory(checkpoint) if checkpoint else None)
+            tune.report(
+                result,
+                checkpoint=tune.Checkpoint.from_directory(checkpoint) if checkpoint else None,
+            )
         except SystemExit:
             # Tune stopped the trial and reads no more of its results: any later report would wait
             # for ever on Tune's lock (see train_trial's ending).
             self._detached = True
             if self.stop_file is not None and self.stop_file.exists():
-                raise SweepStopped("the sweep stopped while the trial ran") from None  # recorded as stopped
+                raise SweepStopped(
+                    "the sweep stopped while the trial ran"
+                ) from None  # recorded as stopped
             # A stop at the last evaluation of the budget is the scheduler ending a finished trial.
             self._stopped = self._budget is None or step < self._budget
         except SweepStopped:  # the stop file's (`_StopWatch`), raised as Tune let go of this report
@@ -158,8 +175,9 @@ class _StopWatch:
             if self.stop_file.exists():
                 with self._armed:
                     if not self._done.is_set():
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target),
-                                                                   ctypes.py_object(SweepStopped))
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(self._target), ctypes.py_object(SweepStopped)
+                        )
                 return
 
 
@@ -225,11 +243,14 @@ def trainable(runner: Any, plan: RoundPlan) -> type:
     from ray.train._internal.session import get_session
     from ray.tune.trainable.function_trainable import wrap_function
 
-    base = wrap_function(tune.with_parameters(train_trial, runner=runner, plan=plan), name="train_trial")
+    base = wrap_function(
+        tune.with_parameters(train_trial, runner=runner, plan=plan), name="train_trial"
+    )
 
     class Trainable(base):  # type: ignore[misc, valid-type]
         def cleanup(self) -> None:
-            get_session().finish(timeout=_InFlight.ENDING_WAIT_S)  # lets the trial leave report() and end
+            # lets the trial leave report() and end
+            get_session().finish(timeout=_InFlight.ENDING_WAIT_S)
             super().cleanup()
 
     return Trainable
@@ -242,14 +263,25 @@ def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
 
 
 def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
-    for key, value in WORKER_ENV.items():  # read by this actor's reset_config(), also when the user called ray.init
+    for (
+        key,
+        value,
+        # read by this actor's reset_config(), also when the user called ray.init
+    ) in WORKER_ENV.items():
         os.environ.setdefault(key, value)
     ctx = tune.get_context()
     params = {k: v for k, v in config.items() if k != AGAIN_KEY}
     again_id, hint = config.get(AGAIN_KEY), _number(ctx.get_trial_name())
     local = None
     if sees_output_dir(runner.job.output_dir, plan.marker):
-        claimed = _claim(Ledger(runner.job.output_dir, plan.n_trials), ctx.get_trial_id(), hint, params, again_id, plan)
+        claimed = _claim(
+            Ledger(runner.job.output_dir, plan.n_trials),
+            ctx.get_trial_id(),
+            hint,
+            params,
+            again_id,
+            plan,
+        )
         if claimed is None:
             return  # nothing to run: the ledger has enough, the time is up, or another process runs it
         trial, lease = claimed
@@ -258,12 +290,19 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
         local = NodeLocalRuns(runner, plan.marker, ctx)
         runner, lease = local.runner, None
         trial = _unleased(local, ctx.get_trial_id(), hint, params, plan.again.get(again_id), plan)
-    trial.user_attrs["ray_trial_id"] = ctx.get_trial_id()  # which Tune trial ran it last, for the driver
+    # which Tune trial ran it last, for the driver
+    trial.user_attrs["ray_trial_id"] = ctx.get_trial_id()
     _train(runner, trial, lease, local, plan.worst_extra)
 
 
-def _claim(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], again_id: str | None,
-           plan: RoundPlan) -> tuple[RayTrial, Lease] | None:
+def _claim(
+    ledger: Ledger,
+    tune_id: str,
+    hint: int,
+    params: dict[str, Any],
+    again_id: str | None,
+    plan: RoundPlan,
+) -> tuple[RayTrial, Lease] | None:
     """The trial to run and its lease, taken under the ledger's lock; None when there is none.
 
     A trial Tune starts once more may find its previous run still recording its end on another
@@ -279,8 +318,14 @@ def _claim(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], agai
         time.sleep(0.2)
 
 
-def _claim_once(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any], again_id: str | None,
-                plan: RoundPlan) -> tuple[RayTrial, Lease] | str | None:
+def _claim_once(
+    ledger: Ledger,
+    tune_id: str,
+    hint: int,
+    params: dict[str, Any],
+    again_id: str | None,
+    plan: RoundPlan,
+) -> tuple[RayTrial, Lease] | str | None:
     with ledger.locked():
         ledger.reap()
         earlier = next((r for r in runs.read_trials(ledger.output_dir) if r.id == tune_id), None)
@@ -292,14 +337,17 @@ def _claim_once(ledger: Ledger, tune_id: str, hint: int, params: dict[str, Any],
             again = claim.again
             assert again is not None
             trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
-        elif earlier is not None:  # Tune starts this trial once more: a retry, or a paused trial resumed
-            if earlier.state == "running" or any(lease.trial == tune_id and lease.alive()
-                                                 for lease in ledger.leases()):
+        # Tune starts this trial once more: a retry, or a paused trial resumed
+        elif earlier is not None:
+            if earlier.state == "running" or any(
+                lease.trial == tune_id and lease.alive() for lease in ledger.leases()
+            ):
                 return "busy"  # its previous run is still ending (recorded, but the lease is held)
             claim = ledger.claim_trial(tune_id, states=(AGAIN, "pruned"))
             if claim is None:
                 return None
-            again = claim.again if earlier.state == AGAIN else None  # its worker died: from its own folder
+            # its worker died: from its own folder
+            again = claim.again if earlier.state == AGAIN else None
             trial = RayTrial(earlier.number, params, id=tune_id, budget=plan.budget)
         else:
             if plan.deadline is not None and time.time() >= plan.deadline:
@@ -327,8 +375,14 @@ def _free_number(ledger: Ledger, hint: int) -> int:
     return hint if hint not in taken else max(taken) + 1
 
 
-def _unleased(local: NodeLocalRuns, tune_id: str, hint: int, params: dict[str, Any],
-              again: dict[str, Any] | None, plan: RoundPlan) -> RayTrial:
+def _unleased(
+    local: NodeLocalRuns,
+    tune_id: str,
+    hint: int,
+    params: dict[str, Any],
+    again: dict[str, Any] | None,
+    plan: RoundPlan,
+) -> RayTrial:
     """The trial on a node without ``--output-dir``: its folder comes back from Ray's storage."""
     if again is None:
         earlier = local.fetch()  # this Tune trial ran here before (a retry, a PBT exploit)
@@ -342,8 +396,13 @@ def _unleased(local: NodeLocalRuns, tune_id: str, hint: int, params: dict[str, A
     return trial
 
 
-def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRuns | None,
-           worst_extra: dict[str, float]) -> None:
+def _train(
+    runner: Any,
+    trial: RayTrial,
+    lease: Lease | None,
+    local: NodeLocalRuns | None,
+    worst_extra: dict[str, float],
+) -> None:
     again: runs.TrialRecord | None = trial.user_attrs.get("again")
     # A trial run again continues from its own latest checkpoint; otherwise Tune's (a resume, PBT).
     checkpoint = tune.get_checkpoint() if again is None else None
@@ -367,7 +426,8 @@ def _train(runner: Any, trial: RayTrial, lease: Lease | None, local: NodeLocalRu
                     raise  # Tune reads no more results from this trial; fail it instead
                 user_error = str(exc)
             finally:
-                run_dir = _run_dir(runner, trial, again)  # hp_name may read params model_init suggested
+                # hp_name may read params model_init suggested
+                run_dir = _run_dir(runner, trial, again)
                 _note_ray_attrs(run_dir, trial, earlier, node, folder)
     finally:
         if lease is not None:
@@ -405,8 +465,13 @@ def _run_dir(runner: Any, trial: RayTrial, again: runs.TrialRecord | None) -> Pa
     return runs.run_dir_for(job.output_dir, trial.id, name if isinstance(name, str) else None)
 
 
-def _note_ray_attrs(run_dir: Path, trial: RayTrial, earlier: runs.TrialRecord | None, node: str,
-                    restored_from: str | None) -> None:
+def _note_ray_attrs(
+    run_dir: Path,
+    trial: RayTrial,
+    earlier: runs.TrialRecord | None,
+    node: str,
+    restored_from: str | None,
+) -> None:
     """Keep in trial.json which Ray nodes ran the trial and how often Tune restored it from a
     checkpoint (``user_attrs``: ``ray_node_id``, ``ray_node_ids``, ``ray_restores``, ``ray_restored_from``)."""
     record = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
@@ -414,8 +479,11 @@ def _note_ray_attrs(run_dir: Path, trial: RayTrial, earlier: runs.TrialRecord | 
         return
     before = earlier.user_attrs if earlier is not None and earlier.id == trial.id else {}
     nodes = list(before.get("ray_node_ids", []))
-    record.user_attrs.update(ray_node_id=node, ray_node_ids=nodes + [node] if node not in nodes else nodes,
-                             ray_restores=before.get("ray_restores", 0) + (restored_from is not None))
+    record.user_attrs.update(
+        ray_node_id=node,
+        ray_node_ids=nodes + [node] if node not in nodes else nodes,
+        ray_restores=before.get("ray_restores", 0) + (restored_from is not None),
+    )
     if restored_from is not None:
         record.user_attrs["ray_restored_from"] = restored_from
     record.save()

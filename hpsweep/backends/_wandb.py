@@ -15,6 +15,7 @@ Samplers: bayes (default), random, grid. Pruners: none (default, as in W&B), hyp
 ``hyperband_min_iter`` / ``hyperband_eta`` options). ``DIR/wandb_sweep.json`` keeps the sweep
 config (and the server's sweep id), so the same command continues the same sweep.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,8 @@ from typing import Any
 import numpy as np
 import wandb
 
-with warnings.catch_warnings():  # sweeps 0.3 still spells pydantic-v1 config keys; pydantic warns on import
+# sweeps 0.3 still spells pydantic-v1 config keys; pydantic warns on import
+with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import sweeps
 
@@ -42,11 +44,22 @@ from ..trial import Trial
 from ._base import Backend, SearchSettings, TrialFailed
 
 SWEEP_FILE = "wandb_sweep.json"
-OPTIONS = ("hyperband_min_iter", "hyperband_eta", "entity", "sweep_id", "name")  # name: the sweep's, as transformers'
+OPTIONS = (
+    "hyperband_min_iter",
+    "hyperband_eta",
+    "entity",
+    "sweep_id",
+    "name",
+)  # name: the sweep's, as transformers'
 #: trial.json state -> the W&B run state the sweeps engine reasons about. W&B's controller marks
 #: early-terminated runs ``stopped`` and keeps their history, so bayes learns from pruned runs too.
-RUN_STATES = {"complete": "finished", "pruned": "finished", "failed": "failed", "running": "crashed",
-              "stopped": "crashed"}
+RUN_STATES = {
+    "complete": "finished",
+    "pruned": "finished",
+    "failed": "failed",
+    "running": "crashed",
+    "stopped": "crashed",
+}
 
 
 class WandbTrial(Trial):
@@ -59,17 +72,30 @@ class WandbTrial(Trial):
     backend = "wandb"
     reads_checkpoints = False  # a row of metrics; the run's checkpoints stay in its folder
 
-    def __init__(self, number: int, params: Mapping[str, Any], *, run: Any, metric: str,
-                 history: Sequence[Mapping[str, float]] = (),
-                 stopper: Callable[[WandbTrial], bool] | None = None) -> None:
+    def __init__(
+        self,
+        number: int,
+        params: Mapping[str, Any],
+        *,
+        run: Any,
+        metric: str,
+        history: Sequence[Mapping[str, float]] = (),
+        stopper: Callable[[WandbTrial], bool] | None = None,
+    ) -> None:
         super().__init__(number, params)
         self.run = run
         self.metric = metric
         self.history: list[dict[str, float]] = [dict(h) for h in history]
         self._stopper = stopper
 
-    def report(self, step: int, metrics: Mapping[str, float], objective: Any, checkpoint: str | None = None) -> None:
-        row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    def report(
+        self, step: int, metrics: Mapping[str, float], objective: Any, checkpoint: str | None = None
+    ) -> None:
+        row = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if objective is not None:
             row[self.metric] = float(objective)
             self.history.append({self.metric: float(objective)})
@@ -81,22 +107,29 @@ class WandbTrial(Trial):
 
 # --- the space as a W&B sweep config -------------------------------------------------------------------
 
+
 def sweep_config(settings: SearchSettings) -> dict[str, Any]:
     """The W&B sweep config for ``settings``: method, metric, parameters and early_terminate.
 
-        >>> sweep_config(SearchSettings(Path("out"), space={"lr": Float(1e-4, 1e-1, log=True)}))["parameters"]
-        {'lr': {'distribution': 'log_uniform_values', 'min': 0.0001, 'max': 0.1}}
+    >>> sweep_config(SearchSettings(Path("out"), space={"lr": Float(1e-4, 1e-1, log=True)}))["parameters"]
+    {'lr': {'distribution': 'log_uniform_values', 'min': 0.0001, 'max': 0.1}}
     """
     method = settings.sampler or "bayes"
     assert settings.space is not None
-    parameters = {name: _parameter(name, dist, grid=method == "grid") for name, dist in settings.space.items()}
-    config: dict[str, Any] = {"method": method, "metric": {"name": settings.objective_name,
-                                                           "goal": settings.directions[0]},
-                              "parameters": parameters}
+    parameters = {
+        name: _parameter(name, dist, grid=method == "grid") for name, dist in settings.space.items()
+    }
+    config: dict[str, Any] = {
+        "method": method,
+        "metric": {"name": settings.objective_name, "goal": settings.directions[0]},
+        "parameters": parameters,
+    }
     if (settings.pruner or "none") == "hyperband":
-        config["early_terminate"] = {"type": "hyperband",
-                                     "min_iter": int(settings.options.get("hyperband_min_iter", 1)),
-                                     "eta": int(settings.options.get("hyperband_eta", 3))}
+        config["early_terminate"] = {
+            "type": "hyperband",
+            "min_iter": int(settings.options.get("hyperband_min_iter", 1)),
+            "eta": int(settings.options.get("hyperband_eta", 3)),
+        }
     return config
 
 
@@ -106,14 +139,18 @@ def _sweep_config_of(hp_space: Callable[..., Any]) -> dict[str, Any] | None:
         config = hp_space(None)
     except Exception:  # a define-by-run function that needs a trial: not a sweep config
         return None
-    return dict(config) if isinstance(config, Mapping) and isinstance(config.get("parameters"), Mapping) else None
+    return (
+        dict(config)
+        if isinstance(config, Mapping) and isinstance(config.get("parameters"), Mapping)
+        else None
+    )
 
 
 def space_from_sweep_config(config: Mapping[str, Any]) -> dict[str, Distribution]:
     """A W&B sweep config's ``parameters`` as an hpsweep space (the inverse of `_parameter`).
 
-        >>> space_from_sweep_config({"parameters": {"lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 0.1}}})
-        {'lr': Float(low=0.0001, high=0.1, log=True, step=None)}
+    >>> space_from_sweep_config({"parameters": {"lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 0.1}}})
+    {'lr': Float(low=0.0001, high=0.1, log=True, step=None)}
     """
     space: dict[str, Distribution] = {}
     for name, spec in config["parameters"].items():
@@ -123,7 +160,9 @@ def space_from_sweep_config(config: Mapping[str, Any]) -> dict[str, Distribution
             space[name] = Categorical(list(spec["values"]))
         elif "value" in spec:
             space[name] = Categorical([spec["value"]])
-        elif kind == "int_uniform" or (kind is None and isinstance(low, int) and isinstance(high, int)):
+        elif kind == "int_uniform" or (
+            kind is None and isinstance(low, int) and isinstance(high, int)
+        ):
             space[name] = Int(int(low), int(high))
         elif kind in ("uniform", None):
             space[name] = Float(float(low), float(high))
@@ -134,8 +173,10 @@ def space_from_sweep_config(config: Mapping[str, Any]) -> dict[str, Distribution
         elif kind == "q_log_uniform_values" and spec.get("q", 1) == 1:
             space[name] = Int(int(low), int(high), log=True)
         else:
-            raise UserError(f"hp_space parameter {name!r}: the W&B distribution {kind!r} has no hpsweep equivalent; "
-                            "use values, uniform, int_uniform, log_uniform_values or q_uniform")
+            raise UserError(
+                f"hp_space parameter {name!r}: the W&B distribution {kind!r} has no hpsweep equivalent; "
+                "use values, uniform, int_uniform, log_uniform_values or q_uniform"
+            )
     return space
 
 
@@ -145,7 +186,12 @@ def _parameter(name: str, dist: Distribution, *, grid: bool) -> dict[str, Any]:
         return {"values": dist.grid()}
     if isinstance(dist, Int):
         if dist.log:
-            return {"distribution": "q_log_uniform_values", "min": dist.low, "max": dist.high, "q": 1}
+            return {
+                "distribution": "q_log_uniform_values",
+                "min": dist.low,
+                "max": dist.high,
+                "q": 1,
+            }
         if dist.step == 1:
             return {"distribution": "int_uniform", "min": dist.low, "max": dist.high}
     elif dist.step is None:
@@ -171,6 +217,7 @@ def _plain(value: Any) -> Any:
 
 # --- the backend ------------------------------------------------------------------------------------
 
+
 class WandbBackend(Backend):
     """Search with W&B Sweeps (online: the W&B server; offline: the ``sweeps`` engine locally)."""
 
@@ -182,17 +229,23 @@ class WandbBackend(Backend):
     parallel = False  # the engine proposes from the finished runs: one trial at a time
 
     @staticmethod
-    def transformers_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    def transformers_keywords(
+        options: dict[str, Any],
+    ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """transformers' W&B users name the project (here: the study's name, which is the sweep's
         W&B project) and the metric W&B reads (hpsweep reports the objective it optimises)."""
         left = dict(options)
         project, metric = left.pop("project", None), left.pop("metric", None)
-        note = f"metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored" \
-            if metric is not None else None
+        note = (
+            f"metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored"
+            if metric is not None
+            else None
+        )
         return left, {"study_name": str(project)} if project else {}, note
 
     def __init__(self, settings: SearchSettings) -> None:
-        if settings.hp_space is not None:  # a W&B sweep config, as Hugging Face users write hp_space
+        # a W&B sweep config, as Hugging Face users write hp_space
+        if settings.hp_space is not None:
             native = _sweep_config_of(settings.hp_space)
             if native is not None:
                 settings.space, settings.hp_space = space_from_sweep_config(native), None
@@ -201,22 +254,37 @@ class WandbBackend(Backend):
                     settings.pruner = "hyperband"
         super().__init__(settings)
         if settings.hp_space is not None or settings.space is None:
-            raise UserError("the wandb backend needs a `space` dict (a W&B sweep config is fixed before the runs); "
-                            "declare the parameters in `space` or use --backend optuna for hp_space")
+            raise UserError(
+                "the wandb backend needs a `space` dict (a W&B sweep config is fixed before the runs); "
+                "declare the parameters in `space` or use --backend optuna for hp_space"
+            )
         if settings.multi_objective:
-            raise UserError("W&B sweeps optimise one metric; give one direction, or use --backend optuna")
-        self.config = sweep_config(settings)  # grid on a Float without step raises its UserError here
+            raise UserError(
+                "W&B sweeps optimise one metric; give one direction, or use --backend optuna"
+            )
+        # grid on a Float without step raises its UserError here
+        self.config = sweep_config(settings)
         if settings.options.get("name"):
             self.config["name"] = str(settings.options["name"])
         self.metric = settings.objective_name
-        self.online = _logged_in() and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun")
-        self._histories: dict[str, list[dict[str, float]]] = {}  # objective per evaluation, for callable objectives
+        self.online = _logged_in() and os.environ.get("WANDB_MODE", "online") not in (
+            "offline",
+            "disabled",
+            "dryrun",
+        )
+        self._histories: dict[
+            str, list[dict[str, float]]
+        ] = {}  # objective per evaluation, for callable objectives
 
     def run(self, loop: Any) -> None:
         saved = self._load_sweep_file()
         if self.online:  # the agent trains in this process: placed as the offline loop's trials are
             with loop.placed():
-                self._run_online(loop.runner, self.settings.options.get("sweep_id") or saved.get("sweep_id"), loop)
+                self._run_online(
+                    loop.runner,
+                    self.settings.options.get("sweep_id") or saved.get("sweep_id"),
+                    loop,
+                )
         else:
             super().run(loop)
 
@@ -228,11 +296,15 @@ class WandbBackend(Backend):
         saved = runs.read_json(path) if path.exists() else {}
         wanted = self.settings.options.get("sweep_id")
         if wanted and not self.online and wanted != saved.get("sweep_id", wanted):
-            raise UserError(f"sweep_id={wanted!r}: {self.settings.output_dir} holds sweep {saved['sweep_id']!r}; "
-                            "give its id, or no sweep_id (the folder's sweep continues)")
+            raise UserError(
+                f"sweep_id={wanted!r}: {self.settings.output_dir} holds sweep {saved['sweep_id']!r}; "
+                "give its id, or no sweep_id (the folder's sweep continues)"
+            )
         if saved and saved.get("config") != self.config:
-            raise UserError(f"{self.settings.output_dir} holds another W&B sweep (see {SWEEP_FILE}: other space, "
-                            "sampler, pruner or objective); use another --output-dir or the same settings")
+            raise UserError(
+                f"{self.settings.output_dir} holds another W&B sweep (see {SWEEP_FILE}: other space, "
+                "sampler, pruner or objective); use another --output-dir or the same settings"
+            )
         if not self.online:  # a local sweep's id names the folder's sweep, as a server's id would
             saved.setdefault("sweep_id", wanted or f"local-{secrets.token_hex(4)}")
         runs.write_json(path, {**saved, "config": self.config})
@@ -245,8 +317,14 @@ class WandbBackend(Backend):
     def _init_settings() -> wandb.Settings:
         # No console capture, no system-metrics sampler, no git/code/requirements scans: a trial
         # is a short run, and those would add threads, files and output to every one of them.
-        return wandb.Settings(console="off", x_disable_stats=True, silent=True, save_code=False,
-                              disable_git=True, x_save_requirements=False)
+        return wandb.Settings(
+            console="off",
+            x_disable_stats=True,
+            silent=True,
+            save_code=False,
+            disable_git=True,
+            x_save_requirements=False,
+        )
 
     # --- local: the sweeps engine on the runs on disk -----------------------------------------------
 
@@ -261,8 +339,11 @@ class WandbBackend(Backend):
             history = _checkpoint_history(runs.latest_checkpoint(Path(again.run_dir)), self.metric)
         else:
             # Numbers in use: recorded trials, and trials claimed (leased) but not yet recorded.
-            leased = [int(lease.trial) for lease in Ledger(s.output_dir, None).leases()
-                      if str(lease.trial or "").isdigit()]
+            leased = [
+                int(lease.trial)
+                for lease in Ledger(s.output_dir, None).leases()
+                if str(lease.trial or "").isdigit()
+            ]
             number = max([r.number for r in records] + leased, default=-1) + 1
             if s.seed is not None:  # the engine samples with `random` and numpy
                 random.seed(s.seed + number)
@@ -273,16 +354,28 @@ class WandbBackend(Backend):
             params = {k: _plain(v["value"]) for k, v in suggestion.config.items()}
             history = []
         mode = "disabled" if os.environ.get("WANDB_MODE") == "disabled" else "offline"
-        run = wandb.init(mode=mode, dir=str(s.output_dir), project=s.study_name, group=s.study_name,
-                         name=f"run-{number}", config=params, reinit="finish_previous",
-                         settings=self._init_settings())
+        run = wandb.init(
+            mode=mode,
+            dir=str(s.output_dir),
+            project=s.study_name,
+            group=s.study_name,
+            name=f"run-{number}",
+            config=params,
+            reinit="finish_previous",
+            settings=self._init_settings(),
+        )
         stopper = self._hyperband_stopper(finished) if "early_terminate" in self.config else None
-        return WandbTrial(number, params, run=run, metric=self.metric, history=history, stopper=stopper)
+        return WandbTrial(
+            number, params, run=run, metric=self.metric, history=history, stopper=stopper
+        )
 
     def tell(self, trial: Any, state: str, value: Any = None) -> None:
         self._histories[trial.id] = trial.history
         if state == "pruned":
-            trial.run.tags = (*trial.run.tags, "pruned")  # W&B has no pruned state; a tag keeps it findable
+            trial.run.tags = (
+                *trial.run.tags,
+                "pruned",
+            )  # W&B has no pruned state; a tag keeps it findable
         elif state == "complete":
             trial.run.summary[self.metric] = value
         trial.run.finish(exit_code={"complete": 0, "pruned": 0, "stopped": 130}.get(state, 1))
@@ -301,16 +394,28 @@ class WandbBackend(Backend):
 
     def _as_sweep_run(self, record: runs.TrialRecord) -> sweeps.SweepRun:
         """A trial on disk as the engine sees a W&B run: config, state, metric history, summary."""
-        history = self._histories.get(record.id) or [{self.metric: h[self.metric]} for h in record.history
-                                               if self.metric in h]
-        summary = {self.metric: record.objective} if isinstance(record.objective, (int, float)) else {}
-        return _sweep_run(record.id, RUN_STATES.get(record.state, "crashed"), record.params, history, summary,
-                          stopped=record.state == "pruned")
+        history = self._histories.get(record.id) or [
+            {self.metric: h[self.metric]} for h in record.history if self.metric in h
+        ]
+        summary = (
+            {self.metric: record.objective} if isinstance(record.objective, (int, float)) else {}
+        )
+        return _sweep_run(
+            record.id,
+            RUN_STATES.get(record.state, "crashed"),
+            record.params,
+            history,
+            summary,
+            stopped=record.state == "pruned",
+        )
 
     def _hyperband_stopper(self, finished: list[sweeps.SweepRun]) -> Callable[[WandbTrial], bool]:
         def stop(trial: WandbTrial) -> bool:
             current = _sweep_run(trial.id, "running", trial.params, trial.history)
-            return any(r.name == trial.id for r in sweeps.stop_runs(self.config, [*finished, current]))
+            return any(
+                r.name == trial.id for r in sweeps.stop_runs(self.config, [*finished, current])
+            )
+
         return stop
 
     # --- online: wandb.sweep + wandb.agent (not testable without a W&B server) ------------------------
@@ -329,8 +434,12 @@ class WandbBackend(Backend):
             run = wandb.init(dir=str(s.output_dir), settings=self._init_settings())
             number = max((r.number for r in self._records()), default=-1) + 1
             run.name = f"run-{number}"
-            trial = WandbTrial(number, {name: _plain(run.config[name]) for name in self.config["parameters"]},
-                               run=run, metric=self.metric)
+            trial = WandbTrial(
+                number,
+                {name: _plain(run.config[name]) for name in self.config["parameters"]},
+                run=run,
+                metric=self.metric,
+            )
             try:
                 state = self._call(trial_fn, trial)
             except UserError as exc:
@@ -348,15 +457,22 @@ class WandbBackend(Backend):
             interrupted.set()
             signal.default_int_handler(signum, frame)
 
-        main_thread = threading.current_thread() is threading.main_thread()  # signal() works only there
+        # signal() works only there
+        main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
             signal.signal(signal.SIGINT, on_sigint)
         started = time.monotonic()
         try:
             # One agent per trial, so n_trials, --timeout and errors are checked between runs.
-            while (not loop.ledger.done() and (s.timeout is None or time.monotonic() - started < s.timeout)
-                   and not errors and not interrupted.is_set()):
-                wandb.agent(sweep_id, function=one_trial, count=1, project=s.study_name, entity=entity)
+            while (
+                not loop.ledger.done()
+                and (s.timeout is None or time.monotonic() - started < s.timeout)
+                and not errors
+                and not interrupted.is_set()
+            ):
+                wandb.agent(
+                    sweep_id, function=one_trial, count=1, project=s.study_name, entity=entity
+                )
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, previous)
@@ -366,12 +482,25 @@ class WandbBackend(Backend):
             raise KeyboardInterrupt
 
 
-def _sweep_run(name: str, state: str, params: Mapping[str, Any], history: list[dict[str, float]],
-               summary: Mapping[str, float] | None = None, *, stopped: bool = False) -> sweeps.SweepRun:
+def _sweep_run(
+    name: str,
+    state: str,
+    params: Mapping[str, Any],
+    history: list[dict[str, float]],
+    summary: Mapping[str, float] | None = None,
+    *,
+    stopped: bool = False,
+) -> sweeps.SweepRun:
     # The W&B API's field names (sampledHistory, summaryMetrics): sweeps 0.2 accepts only these,
     # 0.3 both; the plain names would be silently dropped by 0.2.
-    return sweeps.SweepRun(name=name, state=state, config={k: {"value": v} for k, v in params.items()},
-                           sampledHistory=history, summaryMetrics=dict(summary or {}), stopped=stopped)
+    return sweeps.SweepRun(
+        name=name,
+        state=state,
+        config={k: {"value": v} for k, v in params.items()},
+        sampledHistory=history,
+        summaryMetrics=dict(summary or {}),
+        stopped=stopped,
+    )
 
 
 def _logged_in() -> bool:
@@ -381,7 +510,10 @@ def _logged_in() -> bool:
     try:
         from wandb.sdk.lib.wbauth import read_netrc_auth
 
-        return read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")) is not None
+        return (
+            read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+            is not None
+        )
     except Exception:  # an unreadable netrc, or another wandb version's layout: no login to use
         return False
 

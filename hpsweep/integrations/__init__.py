@@ -6,6 +6,7 @@ Each lives in its own module and imports its library only when used::
     from hpsweep.integrations.report import write_report       # hpsweep report DIR
     from hpsweep.integrations.hub import PushToHubCallback, push_best   # hpsweep push DIR
 """
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 #: Names that look like credentials: never logged, never written into a card.
-SECRET_NAME = re.compile(r"secret|passw|credential|(^|[_.-])(token|pwd|key|auth|apikey)$", re.IGNORECASE)
+SECRET_NAME = re.compile(
+    r"secret|passw|credential|(^|[_.-])(token|pwd|key|auth|apikey)$", re.IGNORECASE
+)
 
 
 def is_secret_name(name: str) -> bool:
@@ -34,7 +37,11 @@ def scrub(values: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in values.items():
         text = str(value)
-        if is_secret_name(name) or any(s in text for s in secrets) or re.search(r"\bhf_[A-Za-z0-9]{20,}", text):
+        if (
+            is_secret_name(name)
+            or any(s in text for s in secrets)
+            or re.search(r"\bhf_[A-Za-z0-9]{20,}", text)
+        ):
             continue
         out[name] = value
     return out

@@ -9,6 +9,7 @@ The token comes from where ``huggingface_hub`` looks (``HF_TOKEN``, ``hf auth lo
 never taken from the command line, printed, or written into the card. ``HF_ENDPOINT`` points the
 client at another Hub. Failures (a bad token, no network) are one line naming the fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ logger = logging.getLogger("hpsweep.hub")
 NOT_MODEL = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "README.md", ".*")
 
 
-def push_best(output_dir: Path, repo_id: str, *, private: bool = False, revision: str | None = None,
-              token: str | None = None) -> str:
+def push_best(
+    output_dir: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+) -> str:
     """Push ``output_dir/best`` (weights, config, training log) with a model card to ``repo_id``.
 
     Creates the repo (and the ``revision`` branch) when needed; returns the commit URL.
@@ -42,16 +49,24 @@ def push_best(output_dir: Path, repo_id: str, *, private: bool = False, revision
     output_dir = Path(output_dir)
     best = runs.read_best(output_dir)
     if best is None or not (output_dir / runs.BEST_DIR).is_dir():
-        raise UserError(f"{output_dir}: no best run to push (no best_run.json and best/); "
-                        "give the --output-dir of a sweep with a completed trial")
+        raise UserError(
+            f"{output_dir}: no best run to push (no best_run.json and best/); "
+            "give the --output-dir of a sweep with a completed trial"
+        )
     chosen = best[0] if isinstance(best, list) else best
     records = runs.read_trials(output_dir)
     with tempfile.TemporaryDirectory(prefix="hpsweep-push-") as tmp:
         staging = stage_model(output_dir / runs.BEST_DIR, Path(tmp) / "model")
         card = model_card(chosen, records, staging, front=best, repo_id=repo_id)
         (staging / "README.md").write_text(card, encoding="utf-8")
-        return _upload(staging, repo_id, private=private, revision=revision, token=token,
-                       message=f"hpsweep: best of {len(records)} trials ({Path(chosen.run_dir).name})")
+        return _upload(
+            staging,
+            repo_id,
+            private=private,
+            revision=revision,
+            token=token,
+            message=f"hpsweep: best of {len(records)} trials ({Path(chosen.run_dir).name})",
+        )
 
 
 def stage_model(checkpoint: Path, staging: Path) -> Path:
@@ -65,8 +80,16 @@ def stage_model(checkpoint: Path, staging: Path) -> Path:
     return staging
 
 
-def _upload(folder: Path, repo_id: str, *, private: bool, revision: str | None, token: str | None,
-            message: str, create: bool = True) -> str:
+def _upload(
+    folder: Path,
+    repo_id: str,
+    *,
+    private: bool,
+    revision: str | None,
+    token: str | None,
+    message: str,
+    create: bool = True,
+) -> str:
     from huggingface_hub import HfApi
 
     token = _token(token)
@@ -76,7 +99,9 @@ def _upload(folder: Path, repo_id: str, *, private: bool, revision: str | None, 
             api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
             if revision:
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=message)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=message
+        )
     except UserError:
         raise
     except Exception as exc:
@@ -89,8 +114,10 @@ def _token(token: str | None) -> str:
 
     found = token or get_token()
     if not found:
-        raise UserError("no Hugging Face token found; log in with `hf auth login` or set HF_TOKEN "
-                        "(a token with write access)")
+        raise UserError(
+            "no Hugging Face token found; log in with `hf auth login` or set HF_TOKEN "
+            "(a token with write access)"
+        )
     return found
 
 
@@ -98,18 +125,24 @@ def push_error(exc: Exception, repo_id: str, endpoint: str, token: str | None) -
     """One line for a failed push; the token never appears in it."""
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if status == 401:
-        text = (f"the Hugging Face Hub at {endpoint} rejected the token (401 Unauthorized); "
-                "log in again with `hf auth login` or set HF_TOKEN to a valid token with write access")
+        text = (
+            f"the Hugging Face Hub at {endpoint} rejected the token (401 Unauthorized); "
+            "log in again with `hf auth login` or set HF_TOKEN to a valid token with write access"
+        )
     elif status == 403:
-        text = (f"the token may not write to {repo_id} (403 Forbidden); use a token with write access to that "
-                "namespace, or a --repo-id under your own name")
+        text = (
+            f"the token may not write to {repo_id} (403 Forbidden); use a token with write access to that "
+            "namespace, or a --repo-id under your own name"
+        )
     elif status == 404:
         text = f"{repo_id} was not found on {endpoint} (404); check --repo-id and that the token can see it"
     elif status is not None:
         text = f"pushing to {repo_id} on {endpoint} failed: HTTP {status}; try again, or check the Hub's status"
     elif _is_network(exc):
-        text = (f"cannot reach the Hugging Face Hub at {endpoint} ({type(exc).__name__}); check the network "
-                "or HF_ENDPOINT, then run `hpsweep push DIR --repo-id ID` again")
+        text = (
+            f"cannot reach the Hugging Face Hub at {endpoint} ({type(exc).__name__}); check the network "
+            "or HF_ENDPOINT, then run `hpsweep push DIR --repo-id ID` again"
+        )
     else:
         first = (str(exc).splitlines() or [""])[0][:200]
         text = f"pushing to {repo_id} failed: {type(exc).__name__}: {first}"
@@ -122,8 +155,12 @@ def _is_network(exc: BaseException) -> bool:
     seen: BaseException | None = exc
     while seen is not None:
         name = type(seen).__name__
-        if isinstance(seen, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout",
-                                                                         "ReadTimeout", "NetworkError"):
+        if isinstance(seen, (ConnectionError, TimeoutError)) or name in (
+            "ConnectError",
+            "ConnectTimeout",
+            "ReadTimeout",
+            "NetworkError",
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -131,8 +168,14 @@ def _is_network(exc: BaseException) -> bool:
 
 # --- the model card ----------------------------------------------------------------------------------------
 
-def model_card(best: runs.BestRun, records: Sequence[runs.TrialRecord], folder: Path, front: Any = None,
-               repo_id: str = "REPO_ID") -> str:
+
+def model_card(
+    best: runs.BestRun,
+    records: Sequence[runs.TrialRecord],
+    folder: Path,
+    front: Any = None,
+    repo_id: str = "REPO_ID",
+) -> str:
     """README.md with metadata (objective, metrics, hyperparameters, sweep size, backend), the top
     trials and the training log."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -141,39 +184,73 @@ def model_card(best: runs.BestRun, records: Sequence[runs.TrialRecord], folder: 
     name = summary.get("objective_name", "objective")
     directions = summary.get("directions", ["minimize"])
     # the model's metrics; how fast this machine evaluated is no property of the model (transformers' cards agree)
-    metrics = {k: v for k, v in (summary.get("metrics") or {}).items()
-               if isinstance(v, (int, float)) and not k.endswith(SPEED_SUFFIXES)}
+    metrics = {
+        k: v
+        for k, v in (summary.get("metrics") or {}).items()
+        if isinstance(v, (int, float)) and not k.endswith(SPEED_SUFFIXES)
+    }
     params = scrub(best.hyperparameters)
     states = [r.state for r in records]
     is_transformers = (folder / "config.json").exists()
     data = ModelCardData(
         library_name="transformers" if is_transformers else None,
         tags=["hpsweep", "hyperparameter-search", "safetensors", "pytorch"],
-        hpsweep={"objective": {"name": name, "value": best.objective, "direction": ",".join(directions)},
-                 "metrics": metrics, "hyperparameters": params, "n_trials": len(records),
-                 "n_complete": states.count("complete"), "n_pruned": states.count("pruned"),
-                 "n_failed": states.count("failed"), "backend": summary.get("backend") or (
-                     records[0].backend if records else None),
-                 "best_trial": summary.get("number"), "best_run": Path(best.run_dir).name},
+        hpsweep={
+            "objective": {"name": name, "value": best.objective, "direction": ",".join(directions)},
+            "metrics": metrics,
+            "hyperparameters": params,
+            "n_trials": len(records),
+            "n_complete": states.count("complete"),
+            "n_pruned": states.count("pruned"),
+            "n_failed": states.count("failed"),
+            "backend": summary.get("backend") or (records[0].backend if records else None),
+            "best_trial": summary.get("number"),
+            "best_run": Path(best.run_dir).name,
+        },
     )
-    body = [f"# {Path(best.run_dir).name}: best of a {len(records)}-trial hyperparameter sweep", "",
-            f"Found by [hpsweep](https://pypi.org/project/hpsweep/) ({data.hpsweep['backend']} backend): "
-            f"**{name} = {_fmt(best.objective)}** ({', '.join(directions)}), trial {summary.get('number')}.", "",
-            "## Hyperparameters", "", _table(["parameter", "value"], [[k, v] for k, v in params.items()]), "",
-            "## Metrics", "", _table(["metric", "value"], [[k, v] for k, v in metrics.items()]), "",
-            "## Sweep", "", f"{len(records)} trials: {states.count('complete')} complete, "
-            f"{states.count('pruned')} pruned, {states.count('failed')} failed.", "",
-            top_trials(records, directions), ""]
+    body = [
+        f"# {Path(best.run_dir).name}: best of a {len(records)}-trial hyperparameter sweep",
+        "",
+        f"Found by [hpsweep](https://pypi.org/project/hpsweep/) ({data.hpsweep['backend']} backend): "
+        f"**{name} = {_fmt(best.objective)}** ({', '.join(directions)}), trial {summary.get('number')}.",
+        "",
+        "## Hyperparameters",
+        "",
+        _table(["parameter", "value"], [[k, v] for k, v in params.items()]),
+        "",
+        "## Metrics",
+        "",
+        _table(["metric", "value"], [[k, v] for k, v in metrics.items()]),
+        "",
+        "## Sweep",
+        "",
+        f"{len(records)} trials: {states.count('complete')} complete, "
+        f"{states.count('pruned')} pruned, {states.count('failed')} failed.",
+        "",
+        top_trials(records, directions),
+        "",
+    ]
     if isinstance(front, list) and len(front) > 1:
         body += [f"This is one of {len(front)} runs on the Pareto front.", ""]
     body += ["## Training log", "", training_log(folder), "", "## Use", ""]
     if is_transformers:
-        body += ["```python", "from transformers import AutoModel", "",
-                 f"model = AutoModel.from_pretrained({repo_id!r})", "```"]
+        body += [
+            "```python",
+            "from transformers import AutoModel",
+            "",
+            f"model = AutoModel.from_pretrained({repo_id!r})",
+            "```",
+        ]
     else:
-        body += ["```python", "from huggingface_hub import hf_hub_download", "from safetensors.torch import load_model",
-                 "", "model = MyModel(...)  # the architecture of the space file's model_init",
-                 f"load_model(model, hf_hub_download({repo_id!r}, 'model.safetensors'))", "```"]
+        body += [
+            "```python",
+            "from huggingface_hub import hf_hub_download",
+            "from safetensors.torch import load_model",
+            "",
+            "model = MyModel(...)  # the architecture of the space file's model_init",
+            f"load_model(model, hf_hub_download({repo_id!r}, 'model.safetensors'))",
+            "```",
+        ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
     return str(card)
 
@@ -182,21 +259,36 @@ def top_trials(records: Sequence[runs.TrialRecord], directions: Sequence[str], n
     done = [r for r in records if r.state == "complete" and isinstance(r.objective, (int, float))]
     done.sort(key=lambda r: r.objective, reverse=directions[0] == "maximize")  # type: ignore[arg-type,return-value]
     names = sorted({k for r in done for k in r.params if not is_secret_name(k)})
-    rows = [[r.number, Path(r.run_dir).name, r.objective, *(r.params.get(k, "") for k in names),
-             f"{r.duration_s:.1f}s" if r.duration_s is not None else ""] for r in done[:n]]
+    rows = [
+        [
+            r.number,
+            Path(r.run_dir).name,
+            r.objective,
+            *(r.params.get(k, "") for k in names),
+            f"{r.duration_s:.1f}s" if r.duration_s is not None else "",
+        ]
+        for r in done[:n]
+    ]
     title = f"Top {min(n, len(done))} trials"
-    return f"### {title}\n\n" + _table(["#", "run", records[0].objective_name if records else "objective",
-                                          *names, "time"], rows)
+    return f"### {title}\n\n" + _table(
+        ["#", "run", records[0].objective_name if records else "objective", *names, "time"], rows
+    )
 
 
 def training_log(folder: Path) -> str:
     state_file = folder / "trainer_state.json"
-    history = json.loads(state_file.read_text()).get("log_history", []) if state_file.exists() else []
+    history = (
+        json.loads(state_file.read_text()).get("log_history", []) if state_file.exists() else []
+    )
     if not history:
         return "No training log was saved with this checkpoint."
-    keys = sorted({k for h in history for k in h if k not in ("step", "epoch") and not is_secret_name(k)})
-    return _table(["step", "epoch", *keys], [[h.get("step"), h.get("epoch"), *(h.get(k, "") for k in keys)]
-                                              for h in history])
+    keys = sorted(
+        {k for h in history for k in h if k not in ("step", "epoch") and not is_secret_name(k)}
+    )
+    return _table(
+        ["step", "epoch", *keys],
+        [[h.get("step"), h.get("epoch"), *(h.get(k, "") for k in keys)] for h in history],
+    )
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -213,6 +305,7 @@ def _fmt(value: Any) -> str:
 
 # --- pushing from a sweep and during training ------------------------------------------------------------
 
+
 class PushBestAtEnd(SweepCallback):
     """``hpsweep run --push-to-hub ID``: push the best run once the sweep is done (not after Ctrl-C)."""
 
@@ -227,10 +320,14 @@ class PushBestAtEnd(SweepCallback):
         if interrupted or best is None:
             return
         try:
-            url = push_best(self.output_dir, self.repo_id, private=self.private, revision=self.revision)
+            url = push_best(
+                self.output_dir, self.repo_id, private=self.private, revision=self.revision
+            )
         except UserError as exc:
-            raise UserError(f"the sweep is done, but the push failed: {exc} (retry with "
-                            f"`hpsweep push {self.output_dir} --repo-id {self.repo_id}`)") from None
+            raise UserError(
+                f"the sweep is done, but the push failed: {exc} (retry with "
+                f"`hpsweep push {self.output_dir} --repo-id {self.repo_id}`)"
+            ) from None
         print(f"pushed the best run to {url}")
 
 
@@ -249,10 +346,18 @@ class PushToHubCallback(TrainerCallback):
         revision: push to this branch (created if needed).
     """
 
-    def __init__(self, repo_id: str, *, every: str | int = "epoch", private: bool = False,
-                 revision: str | None = None) -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        every: str | int = "epoch",
+        private: bool = False,
+        revision: str | None = None,
+    ) -> None:
         if every != "epoch" and not (isinstance(every, int) and every > 0):
-            raise UserError(f"PushToHubCallback(every={every!r}): give 'epoch' or a positive number of steps")
+            raise UserError(
+                f"PushToHubCallback(every={every!r}): give 'epoch' or a positive number of steps"
+            )
         self.repo_id, self.every, self.private, self.revision = repo_id, every, private, revision
         self.pushed_steps: list[int] = []
         self.skipped = 0
@@ -286,7 +391,9 @@ class PushToHubCallback(TrainerCallback):
         if isinstance(self.every, int) and state.global_step - self._last_due_step >= self.every:
             self._due, self._last_due_step = True, state.global_step
 
-    def on_save(self, args: Any, state: Any, control: Any, *, checkpoint: str, **kwargs: Any) -> None:
+    def on_save(
+        self, args: Any, state: Any, control: Any, *, checkpoint: str, **kwargs: Any
+    ) -> None:
         if self._due:
             self._due = False
             self._push(Path(checkpoint), state.global_step, wait=False)
@@ -294,7 +401,9 @@ class PushToHubCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._wait()
         latest = runs.latest_checkpoint(Path(args.output_dir))
-        if latest is not None and (not self.pushed_steps or self.pushed_steps[-1] != state.global_step):
+        if latest is not None and (
+            not self.pushed_steps or self.pushed_steps[-1] != state.global_step
+        ):
             self._push(latest, state.global_step, wait=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -322,8 +431,15 @@ class PushToHubCallback(TrainerCallback):
 
     def _upload(self, staging: Path, step: int) -> str:
         try:
-            return _upload(staging / "model", self.repo_id, private=self.private, revision=self.revision, token=None,
-                           message=f"Training in progress, step {step}", create=False)
+            return _upload(
+                staging / "model",
+                self.repo_id,
+                private=self.private,
+                revision=self.revision,
+                token=None,
+                message=f"Training in progress, step {step}",
+                create=False,
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -345,7 +461,11 @@ class PushToHubCallback(TrainerCallback):
         if exc is None:
             self._error = None  # only the last push's failure fails training
         else:
-            error = exc if isinstance(exc, UserError) else UserError(f"pushing to {self.repo_id} failed: {exc}")
+            error = (
+                exc
+                if isinstance(exc, UserError)
+                else UserError(f"pushing to {self.repo_id} failed: {exc}")
+            )
             if self._error is None:
                 logger.warning(f"hpsweep: warning: {error}")
             self._error = error

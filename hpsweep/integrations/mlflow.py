@@ -12,6 +12,7 @@ Tracking is not worth losing trials for: when the server cannot be reached the s
 and goes on without tracking, unless ``fatal=True``. Params whose names look like credentials,
 values that hold a secret from the environment, and environment variables are never logged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,11 +32,19 @@ from . import redact_url, scrub
 logger = logging.getLogger("hpsweep.mlflow")
 
 #: MLflow's own defaults retry for minutes; a sweep should not wait that long for tracking.
-QUICK_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-              "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+QUICK_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 _ENV_LOCK = threading.RLock()
 _WARNED: set[str] = set()  # tracking URIs warned about in this process
-_RUN_STATUS = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+_RUN_STATUS = {
+    "complete": "FINISHED",
+    "pruned": "FINISHED",
+    "failed": "FAILED",
+    "stopped": "KILLED",
+}
 
 
 class MLflowTracker(SweepCallback):
@@ -49,8 +58,14 @@ class MLflowTracker(SweepCallback):
         log_best_checkpoint: upload the sweep's ``best/`` folder as an artifact of the parent run.
     """
 
-    def __init__(self, tracking_uri: str | None = None, *, experiment_name: str | None = None,
-                 fatal: bool = False, log_best_checkpoint: bool = False) -> None:
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        *,
+        experiment_name: str | None = None,
+        fatal: bool = False,
+        log_best_checkpoint: bool = False,
+    ) -> None:
         self.tracking_uri = tracking_uri or None
         self.experiment_name = experiment_name
         self.fatal = fatal
@@ -72,21 +87,33 @@ class MLflowTracker(SweepCallback):
     def on_sweep_begin(self, settings: Any) -> None:
         self.tracking_uri = _resolve_uri(self.tracking_uri)
         self.output_dir = str(Path(settings.output_dir).resolve())
-        name = self.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or settings.study_name
+        name = (
+            self.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or settings.study_name
+        )
         key = hashlib.sha1(f"{self.output_dir}|{settings.study_name}".encode()).hexdigest()[:16]
-        self._call("create the sweep's parent run", lambda c: self._start_parent(c, name, key, settings))
+        self._call(
+            "create the sweep's parent run", lambda c: self._start_parent(c, name, key, settings)
+        )
 
     def _start_parent(self, client: Any, name: str, key: str, settings: Any) -> None:
         experiment = client.get_experiment_by_name(name)
-        self.experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
-        found = client.search_runs([self.experiment_id], f"tags.`hpsweep.sweep_key` = '{key}'", max_results=1)
+        self.experiment_id = (
+            experiment.experiment_id if experiment else client.create_experiment(name)
+        )
+        found = client.search_runs(
+            [self.experiment_id], f"tags.`hpsweep.sweep_key` = '{key}'", max_results=1
+        )
         if found:  # a sweep continued in the same folder keeps its parent run
             self.parent_run_id = found[0].info.run_id
             client.update_run(self.parent_run_id, status="RUNNING")
             return
         backend = getattr(settings, "backend", None)
-        tags = {"hpsweep.sweep_key": key, "hpsweep.role": "sweep", "hpsweep.study_name": settings.study_name,
-                "hpsweep.output_dir": self.output_dir}
+        tags = {
+            "hpsweep.sweep_key": key,
+            "hpsweep.role": "sweep",
+            "hpsweep.study_name": settings.study_name,
+            "hpsweep.output_dir": self.output_dir,
+        }
         if backend:
             tags["hpsweep.backend"] = backend
         run = client.create_run(self.experiment_id, run_name=settings.study_name, tags=tags)
@@ -96,7 +123,10 @@ class MLflowTracker(SweepCallback):
     def on_sweep_end(self, best: Any, records: list[Any], interrupted: bool) -> None:
         if self.disabled or self.parent_run_id is None:
             return
-        self._call("finish the sweep's parent run", lambda c: self._finish_parent(c, best, records, interrupted))
+        self._call(
+            "finish the sweep's parent run",
+            lambda c: self._finish_parent(c, best, records, interrupted),
+        )
 
     def _finish_parent(self, client: Any, best: Any, records: list[Any], interrupted: bool) -> None:
         from mlflow.entities import Metric
@@ -106,8 +136,9 @@ class MLflowTracker(SweepCallback):
         run_of = {r.id: r.user_attrs.get("mlflow_run_id") for r in records}
         record_of = {r.user_attrs.get("mlflow_run_id"): r for r in records}
         best_runs = {run_of[i] for i in best_ids if run_of.get(i)}
-        children = client.search_runs([self.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'",
-                                      max_results=5000)
+        children = client.search_runs(
+            [self.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'", max_results=5000
+        )
         for child in children:
             if child.info.status == "RUNNING":  # the trial's own ending never reached MLflow
                 record = record_of.get(child.info.run_id)
@@ -129,10 +160,18 @@ class MLflowTracker(SweepCallback):
             client.set_tag(parent, f"hpsweep.n_{state}", str(states.count(state)))
         if best and not isinstance(best, list):
             client.set_tag(parent, "hpsweep.best_run_id", run_of.get(best.run_id) or "")
-            client.set_tag(parent, "hpsweep.best_trial_number", str(best.run_summary.get("number", "")))
+            client.set_tag(
+                parent, "hpsweep.best_trial_number", str(best.run_summary.get("number", ""))
+            )
             if isinstance(best.objective, (int, float)):
-                client.log_batch(parent, metrics=[Metric("best_objective", float(best.objective), _now(), 0)])
-            if self.log_best_checkpoint and self.output_dir and (Path(self.output_dir) / "best").is_dir():
+                client.log_batch(
+                    parent, metrics=[Metric("best_objective", float(best.objective), _now(), 0)]
+                )
+            if (
+                self.log_best_checkpoint
+                and self.output_dir
+                and (Path(self.output_dir) / "best").is_dir()
+            ):
                 client.log_artifacts(parent, str(Path(self.output_dir) / "best"), "best")
         client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED")
 
@@ -141,16 +180,23 @@ class MLflowTracker(SweepCallback):
     def trial_callbacks(self, trial: Any, record: Any) -> list[TrainerCallback]:
         if self.disabled or self.parent_run_id is None:
             return []
-        run_id = self._call(f"start the run of trial {record.number}", lambda c: self._start_child(c, record))
+        run_id = self._call(
+            f"start the run of trial {record.number}", lambda c: self._start_child(c, record)
+        )
         if run_id is None:
             return []
         record.user_attrs["mlflow_run_id"] = run_id  # saved in trial.json at the trial's end
         return [_TrialLogger(self, run_id)]
 
     def _start_child(self, client: Any, record: Any) -> str:
-        tags = {"mlflow.parentRunId": self.parent_run_id, "hpsweep.trial_number": str(record.number),
-                "hpsweep.trial_id": str(record.id), "hpsweep.backend": record.backend,
-                "hpsweep.state": "running", "hpsweep.run_dir": record.run_dir}
+        tags = {
+            "mlflow.parentRunId": self.parent_run_id,
+            "hpsweep.trial_number": str(record.number),
+            "hpsweep.trial_id": str(record.id),
+            "hpsweep.backend": record.backend,
+            "hpsweep.state": "running",
+            "hpsweep.run_dir": record.run_dir,
+        }
         run = client.create_run(self.experiment_id, run_name=Path(record.run_dir).name, tags=tags)
         run_id = run.info.run_id
         params = scrub(record.params)
@@ -162,24 +208,44 @@ class MLflowTracker(SweepCallback):
         run_id = record.user_attrs.get("mlflow_run_id")
         if self.disabled or not run_id:
             return
-        self._call(f"finish the run of trial {record.number}", lambda c: self._finish_child(c, run_id, record))
+        self._call(
+            f"finish the run of trial {record.number}",
+            lambda c: self._finish_child(c, run_id, record),
+        )
 
-    def _finish_child(self, client: Any, run_id: str, record: Any, logged: Collection[str] | None = None) -> None:
+    def _finish_child(
+        self, client: Any, run_id: str, record: Any, logged: Collection[str] | None = None
+    ) -> None:
         """End the child run as ``record`` ended: its params sampled define-by-run inside model_init
         (those not ``logged`` yet: by default, those this process logged), objective, duration,
         state."""
         from mlflow.entities import Metric, RunTag
 
         logged = self._logged_params.get(run_id, set()) if logged is None else logged
-        _log_params(client, run_id, {k: v for k, v in scrub(record.params).items() if k not in logged})
+        _log_params(
+            client, run_id, {k: v for k, v in scrub(record.params).items() if k not in logged}
+        )
         metrics = []
         objective = record.objective
-        values = objective if isinstance(objective, list) else [objective] if objective is not None else []
+        values = (
+            objective
+            if isinstance(objective, list)
+            else [objective]
+            if objective is not None
+            else []
+        )
         for i, value in enumerate(values):
-            metrics.append(Metric("objective" if len(values) == 1 else f"objective_{i}", float(value), _now(), 0))
+            metrics.append(
+                Metric(
+                    "objective" if len(values) == 1 else f"objective_{i}", float(value), _now(), 0
+                )
+            )
         if record.duration_s is not None:
             metrics.append(Metric("duration_s", float(record.duration_s), _now(), 0))
-        tags = [RunTag("hpsweep.state", record.state), RunTag("hpsweep.objective_name", record.objective_name)]
+        tags = [
+            RunTag("hpsweep.state", record.state),
+            RunTag("hpsweep.objective_name", record.objective_name),
+        ]
         if record.error:
             tags.append(RunTag("hpsweep.error", str(record.error)[:1000]))
         client.log_batch(run_id, metrics=metrics, tags=tags)
@@ -190,8 +256,11 @@ class MLflowTracker(SweepCallback):
         from mlflow.entities import Metric
 
         now = _now()
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        batch = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
         if batch and not self.disabled:
             self._call("log metrics", lambda c: c.log_batch(run_id, metrics=batch))
 
@@ -218,13 +287,17 @@ class MLflowTracker(SweepCallback):
         uri = redact_url(self.tracking_uri or "")
         reason = _short_reason(exc)
         if self.fatal:
-            raise UserError(f"MLflow tracking at {uri} failed to {what} ({reason}); start the tracking server "
-                            "or fix --mlflow, or drop --mlflow-fatal to go on without tracking") from None
+            raise UserError(
+                f"MLflow tracking at {uri} failed to {what} ({reason}); start the tracking server "
+                "or fix --mlflow, or drop --mlflow-fatal to go on without tracking"
+            ) from None
         self.disabled = True
         if uri not in _WARNED:
             _WARNED.add(uri)
-            logger.warning(f"hpsweep: warning: MLflow tracking at {uri} failed to {what} ({reason}); "
-                           "the sweep goes on without tracking (add --mlflow-fatal to stop instead)")
+            logger.warning(
+                f"hpsweep: warning: MLflow tracking at {uri} failed to {what} ({reason}); "
+                "the sweep goes on without tracking (add --mlflow-fatal to stop instead)"
+            )
 
 
 class _TrialLogger(TrainerCallback):
@@ -235,11 +308,14 @@ class _TrialLogger(TrainerCallback):
         self.tracker = tracker
         self.run_id = run_id
 
-    def on_log(self, args: Any, state: Any, control: Any, *, logs: Mapping[str, float], **kwargs: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, *, logs: Mapping[str, float], **kwargs: Any
+    ) -> None:
         self.tracker.log_metrics(self.run_id, logs, state.global_step)
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+
 
 def _resolve_uri(uri: str | None) -> str:
     """The URI as every process will see it: local paths made absolute (Ray nodes, other cwds)."""
@@ -250,7 +326,7 @@ def _resolve_uri(uri: str | None) -> str:
 
         uri = mlflow.get_tracking_uri()
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
     if "://" not in uri and not uri.startswith(("databricks", "file:")):
         return str(Path(uri).resolve())
     return uri
@@ -258,10 +334,17 @@ def _resolve_uri(uri: str | None) -> str:
 
 def _sweep_params(settings: Any, backend: str | None) -> dict[str, Any]:
     params: dict[str, Any] = {
-        "backend": backend, "study_name": settings.study_name, "objective": settings.objective_name,
-        "direction": ",".join(settings.directions), "n_trials": settings.n_trials, "timeout": settings.timeout,
-        "n_jobs": settings.n_jobs, "sampler": settings.sampler, "pruner": settings.pruner,
-        "scheduler": settings.scheduler, "seed": settings.seed,
+        "backend": backend,
+        "study_name": settings.study_name,
+        "objective": settings.objective_name,
+        "direction": ",".join(settings.directions),
+        "n_trials": settings.n_trials,
+        "timeout": settings.timeout,
+        "n_jobs": settings.n_jobs,
+        "sampler": settings.sampler,
+        "pruner": settings.pruner,
+        "scheduler": settings.scheduler,
+        "seed": settings.seed,
         "storage": redact_url(settings.storage) if settings.storage else None,
     }
     if settings.space is not None:
@@ -276,7 +359,7 @@ def _log_params(client: Any, run_id: str, params: Mapping[str, Any]) -> None:
 
     items = [Param(str(k), str(v)[:6000]) for k, v in params.items()]
     for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-        client.log_batch(run_id, params=items[start:start + 100])
+        client.log_batch(run_id, params=items[start : start + 100])
 
 
 def _now() -> int:
@@ -325,4 +408,3 @@ def _quiet_http() -> Iterator[None]:
     finally:
         for n, level in zip(noisy, levels):
             n.setLevel(level)
-

@@ -9,6 +9,7 @@ trial table and the best run. plotly.js is inlined once; the page needs no netwo
     >>> write_report(Path("out"))
     PosixPath('out/report.html')
 """
+
 from __future__ import annotations
 
 import html
@@ -31,7 +32,9 @@ def write_report(output_dir: Path, path: Path | None = None) -> Path:
     """Write the report of the sweep in ``output_dir`` (atomically) and return its path."""
     records = runs.read_trials(output_dir)
     if not records:
-        raise UserError(f"{output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep")
+        raise UserError(
+            f"{output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
+        )
     best = runs.read_best(output_dir)
     page = render(output_dir, records, best)
     path = path or output_dir / REPORT_FILE
@@ -40,6 +43,7 @@ def write_report(output_dir: Path, path: Path | None = None) -> Path:
 
 
 # --- records -> an Optuna study ------------------------------------------------------------------------
+
 
 def build_study(records: Sequence[runs.TrialRecord]) -> Any:
     """An in-memory Optuna study holding ``records`` (running trials are left out)."""
@@ -59,11 +63,16 @@ def build_study(records: Sequence[runs.TrialRecord]) -> Any:
         elif state == "COMPLETE":
             state = "FAIL"
         params = {k: _plain(v) for k, v in r.params.items() if k in distributions}
-        study.add_trial(optuna.trial.create_trial(
-            state=getattr(optuna.trial.TrialState, state), values=values, params=params,
-            distributions={k: distributions[k] for k in params},
-            intermediate_values=intermediate_values(r) if len(directions) == 1 else None,
-            user_attrs={"run": Path(r.run_dir).name, "hpsweep_number": r.number}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=getattr(optuna.trial.TrialState, state),
+                values=values,
+                params=params,
+                distributions={k: distributions[k] for k in params},
+                intermediate_values=intermediate_values(r) if len(directions) == 1 else None,
+                user_attrs={"run": Path(r.run_dir).name, "hpsweep_number": r.number},
+            )
+        )
     return study
 
 
@@ -93,8 +102,11 @@ def infer_distributions(records: Sequence[runs.TrialRecord]) -> dict[str, Any]:
 def intermediate_values(record: runs.TrialRecord) -> dict[int, float]:
     """The objective at each evaluation, by training step (what the pruner saw)."""
     name = record.objective_name
-    return {int(h["step"]): float(h[name]) for h in record.history
-            if isinstance(h.get(name), (int, float)) and "step" in h and math.isfinite(h[name])}
+    return {
+        int(h["step"]): float(h[name])
+        for h in record.history
+        if isinstance(h.get(name), (int, float)) and "step" in h and math.isfinite(h[name])
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -102,6 +114,7 @@ def _plain(value: Any) -> Any:
 
 
 # --- the page --------------------------------------------------------------------------------------------
+
 
 def figures(study: Any, objective_name: str) -> list[tuple[str, str, Any]]:
     """``(id, title, figure or a reason it could not be drawn)`` for each plot."""
@@ -114,17 +127,33 @@ def figures(study: Any, objective_name: str) -> list[tuple[str, str, Any]]:
     if multi:
         plots.append(("pareto-front", "Pareto front", lambda: vis.plot_pareto_front(study)))
     else:
-        plots.append(("history", "Optimisation history",
-                      lambda: vis.plot_optimization_history(study, target_name=name)))
+        plots.append(
+            (
+                "history",
+                "Optimisation history",
+                lambda: vis.plot_optimization_history(study, target_name=name),
+            )
+        )
     plots += [
-        ("importances", "Parameter importances",
-         lambda: vis.plot_param_importances(study, target=target, target_name=name)),
-        ("parallel", "Parallel coordinates",
-         lambda: vis.plot_parallel_coordinate(study, target=target, target_name=name)),
+        (
+            "importances",
+            "Parameter importances",
+            lambda: vis.plot_param_importances(study, target=target, target_name=name),
+        ),
+        (
+            "parallel",
+            "Parallel coordinates",
+            lambda: vis.plot_parallel_coordinate(study, target=target, target_name=name),
+        ),
     ]
     if not multi:
-        plots.append(("intermediate", "Intermediate values (pruned trials stop early)",
-                      lambda: vis.plot_intermediate_values(study)))
+        plots.append(
+            (
+                "intermediate",
+                "Intermediate values (pruned trials stop early)",
+                lambda: vis.plot_intermediate_values(study),
+            )
+        )
     out = []
     for pid, title, make in plots:
         try:
@@ -137,8 +166,15 @@ def figures(study: Any, objective_name: str) -> list[tuple[str, str, Any]]:
 def _why_not(pid: str, study: Any) -> str | None:
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
     if pid == "importances":
-        varied = [k for k in study.trials[0].distributions if len({str(t.params.get(k)) for t in complete}) > 1] \
-            if study.trials else []
+        varied = (
+            [
+                k
+                for k in study.trials[0].distributions
+                if len({str(t.params.get(k)) for t in complete}) > 1
+            ]
+            if study.trials
+            else []
+        )
         if len(complete) < 2 or not varied:
             return "not drawn: parameter importances need at least 2 complete trials whose params differ"
     if pid in ("history", "parallel", "pareto-front") and not complete:
@@ -157,19 +193,30 @@ def render(output_dir: Path, records: Sequence[runs.TrialRecord], best: Any) -> 
             body = f'<p class="note">{html.escape(fig)}</p>'
         else:
             fig.update_layout(title=None, margin={"t": 30}, height=460)
-            body = fig.to_html(full_html=False, include_plotlyjs=first, div_id=f"plot-{pid}",
-                               config={"displaylogo": False})
+            body = fig.to_html(
+                full_html=False,
+                include_plotlyjs=first,
+                div_id=f"plot-{pid}",
+                config={"displaylogo": False},
+            )
             first = False
-        sections.append(f'<section id="{pid}" class="plot"><h2>{html.escape(title)}</h2>{body}</section>')
+        sections.append(
+            f'<section id="{pid}" class="plot"><h2>{html.escape(title)}</h2>{body}</section>'
+        )
     counts = {s: sum(r.state == s for r in records) for s in runs.STATES}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     backend = records[0].backend
     return _PAGE.format(
         title=html.escape(f"hpsweep report: {output_dir.resolve().name}"),
         heading=html.escape(f"Sweep {output_dir.resolve()}"),
-        summary=html.escape(f"{len(records)} trials ({summary}); backend {backend}; objective {objective_name} "
-                            f"({', '.join(records[0].directions)}); written {time.strftime('%Y-%m-%d %H:%M')}"),
-        best=best_html(best), plots="\n".join(sections), table=trial_table(records, best))
+        summary=html.escape(
+            f"{len(records)} trials ({summary}); backend {backend}; objective {objective_name} "
+            f"({', '.join(records[0].directions)}); written {time.strftime('%Y-%m-%d %H:%M')}"
+        ),
+        best=best_html(best),
+        plots="\n".join(sections),
+        table=trial_table(records, best),
+    )
 
 
 def best_html(best: Any) -> str:
@@ -178,26 +225,42 @@ def best_html(best: Any) -> str:
     items = best if isinstance(best, list) else [best]
     parts = []
     for b in items:
-        metrics = {k: v for k, v in (b.run_summary.get("metrics") or {}).items() if not k.endswith(SPEED_SUFFIXES)}
-        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
-                       for k, v in [*b.hyperparameters.items(), *metrics.items()])
-        parts.append(f"<h3>{html.escape(Path(b.run_dir).name)} (trial {b.run_summary.get('number', '?')}): "
-                      f"{html.escape(str(b.run_summary.get('objective_name', 'objective')))} = "
-                      f"{html.escape(_fmt(b.objective))}</h3><table class=\"kv\">{rows}</table>"
-                      f"<p>checkpoint: <code>{html.escape(str(b.checkpoint))}</code></p>")
+        metrics = {
+            k: v
+            for k, v in (b.run_summary.get("metrics") or {}).items()
+            if not k.endswith(SPEED_SUFFIXES)
+        }
+        rows = "".join(
+            f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+            for k, v in [*b.hyperparameters.items(), *metrics.items()]
+        )
+        parts.append(
+            f"<h3>{html.escape(Path(b.run_dir).name)} (trial {b.run_summary.get('number', '?')}): "
+            f"{html.escape(str(b.run_summary.get('objective_name', 'objective')))} = "
+            f'{html.escape(_fmt(b.objective))}</h3><table class="kv">{rows}</table>'
+            f"<p>checkpoint: <code>{html.escape(str(b.checkpoint))}</code></p>"
+        )
     return "".join(parts)
 
 
 def trial_table(records: Sequence[runs.TrialRecord], best: Any) -> str:
     best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
     names = sorted({k for r in records for k in r.params})
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["#", "run", "state", records[0].objective_name, *names,
-                                                           "evaluations", "time"])
+    head = "".join(
+        f"<th>{html.escape(h)}</th>"
+        for h in ["#", "run", "state", records[0].objective_name, *names, "evaluations", "time"]
+    )
     rows = []
     for r in records:
-        cells = [str(r.number), Path(r.run_dir).name + (" ★" if r.id in best_ids else ""), r.state, _fmt(r.objective),
-                 *(_fmt(r.params.get(k, "")) for k in names), str(len(r.history)),
-                 f"{r.duration_s:.1f}s" if r.duration_s is not None else ""]
+        cells = [
+            str(r.number),
+            Path(r.run_dir).name + (" ★" if r.id in best_ids else ""),
+            r.state,
+            _fmt(r.objective),
+            *(_fmt(r.params.get(k, "")) for k in names),
+            str(len(r.history)),
+            f"{r.duration_s:.1f}s" if r.duration_s is not None else "",
+        ]
         css = f' class="{r.state}{" best" if r.id in best_ids else ""}"'
         rows.append(f"<tr{css}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return f'<table class="trials"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'

@@ -17,6 +17,7 @@ module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (
 folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_index` (the
 records kept in memory for the ledger).
 """
+
 from ._atomic import atomic_dir, read_json, recover_interrupted_swaps, write_json, write_text
 from ._checkpoints import (
     CHECKPOINT_PREFIX,
@@ -61,11 +62,46 @@ from ._records import (
 )
 
 __all__ = [
-    "atomic_dir", "read_json", "recover_interrupted_swaps", "write_json", "write_text",
-    "CHECKPOINT_PREFIX", "SCALER_FILE", "CheckpointSnapshot", "CheckpointWriter", "checkpoints", "latest_checkpoint",
-    "load_weights", "read_checkpoint", "resolve_checkpoint", "resumable", "rng_state", "rotate_checkpoints",
-    "save_weights", "set_rng_state", "snapshot_checkpoint", "write_checkpoint", "write_snapshot",
-    "BEST_DIR", "BEST_FILE", "FINAL_STATES", "JOURNAL", "RESERVED", "STATES", "TRIAL_FILE", "BestRun", "TrialIndex",
-    "TrialRecord", "best_records", "best_run_readme", "dominates", "is_better", "params_json", "promote_if_best",
-    "read_best", "read_trials", "run_dir_for", "safe_name",
+    "atomic_dir",
+    "read_json",
+    "recover_interrupted_swaps",
+    "write_json",
+    "write_text",
+    "CHECKPOINT_PREFIX",
+    "SCALER_FILE",
+    "CheckpointSnapshot",
+    "CheckpointWriter",
+    "checkpoints",
+    "latest_checkpoint",
+    "load_weights",
+    "read_checkpoint",
+    "resolve_checkpoint",
+    "resumable",
+    "rng_state",
+    "rotate_checkpoints",
+    "save_weights",
+    "set_rng_state",
+    "snapshot_checkpoint",
+    "write_checkpoint",
+    "write_snapshot",
+    "BEST_DIR",
+    "BEST_FILE",
+    "FINAL_STATES",
+    "JOURNAL",
+    "RESERVED",
+    "STATES",
+    "TRIAL_FILE",
+    "BestRun",
+    "TrialIndex",
+    "TrialRecord",
+    "best_records",
+    "best_run_readme",
+    "dominates",
+    "is_better",
+    "params_json",
+    "promote_if_best",
+    "read_best",
+    "read_trials",
+    "run_dir_for",
+    "safe_name",
 ]

@@ -1,5 +1,6 @@
 """Atomic writes: a file or a folder is written under a temporary name and renamed into place,
 so a crash leaves the old version or the new one, never half of one."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,11 @@ import re
 import shutil
 import tempfile
 import threading
-
-
 from pathlib import Path
 from typing import Any
 
 # --- atomic writes -------------------------------------------------------------------------------
+
 
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temporary file in the same folder, then rename),
@@ -59,7 +59,9 @@ _UMASK_LOCK = threading.Lock()
 
 def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = False) -> None:
     """Write JSON to ``path`` atomically (see `write_text`); numpy and torch scalars as numbers."""
-    write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys, default=_json_default) + "\n")
+    write_text(
+        path, json.dumps(data, indent=indent, sort_keys=sort_keys, default=_json_default) + "\n"
+    )
 
 
 def _json_default(value: Any) -> Any:
@@ -139,5 +141,3 @@ def recover_interrupted_swaps(folder: Path) -> None:
                 os.rename(entry, final)
         elif re.fullmatch(r"\..+\.tmp-\w+", entry.name) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-
-

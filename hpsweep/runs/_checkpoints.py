@@ -1,5 +1,6 @@
 """Checkpoint folders: writing them atomically (on a background thread when training may go on),
 reading them back without pickle, rotating them, and the RNG state they carry."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,13 +24,19 @@ SCALER_FILE = "scaler.json"
 
 # --- checkpoints ---------------------------------------------------------------------------------
 
+
 def checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoints, oldest first (temporary folders are never listed)."""
     if not run_dir.is_dir():
         return []
-    found = [p for p in run_dir.iterdir()
-             if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    found = [
+        p
+        for p in run_dir.iterdir()
+        if p.is_dir()
+        and p.name.startswith(CHECKPOINT_PREFIX)
+        and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -43,7 +50,9 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> l
         return []
     found = checkpoints(run_dir)
     newest = found[-limit:]
-    doomed = [p for p in found if p not in newest and (keep is None or p.resolve() != keep.resolve())]
+    doomed = [
+        p for p in found if p not in newest and (keep is None or p.resolve() != keep.resolve())
+    ]
     for path in doomed:
         # Renamed out of the listing first: a crash halfway through deleting must not leave a
         # checkpoint-<step> with files missing (recover_interrupted_swaps clears the leftover).
@@ -53,7 +62,9 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> l
     return doomed
 
 
-def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None, *, quiet: bool = False) -> None:
+def save_weights(
+    model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None, *, quiet: bool = False
+) -> None:
     """Model weights as safetensors; Hugging Face models also write their config.json.
 
     ``state_dict`` (a `snapshot_checkpoint` copy) is written instead of the model's live weights.
@@ -69,7 +80,11 @@ def save_weights(model: Any, folder: Path, state_dict: Mapping[str, Any] | None 
 
         # save_model reads nothing but .state_dict(): a snapshot goes through the same
         # de-duplication of tied weights as the live model.
-        source = model if state_dict is None else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
+        source = (
+            model
+            if state_dict is None
+            else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
+        )
         save_model(source, str(folder / "model.safetensors"))
 
 
@@ -86,7 +101,8 @@ def _transformers_bars_off() -> Iterator[None]:
     global _bars_off, _bars_were
     import importlib.util
 
-    if importlib.util.find_spec("transformers") is None:  # another library's save_pretrained (diffusers')
+    # another library's save_pretrained (diffusers')
+    if importlib.util.find_spec("transformers") is None:
         yield
         return
     import huggingface_hub.utils as hub_utils
@@ -94,7 +110,10 @@ def _transformers_bars_off() -> Iterator[None]:
 
     with _BARS_LOCK:
         if _bars_off == 0:
-            _bars_were = (hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled())
+            _bars_were = (
+                hf_logging.is_progress_bar_enabled(),
+                hub_utils.are_progress_bars_disabled(),
+            )
             hf_logging.disable_progress_bar()
         _bars_off += 1
     try:
@@ -107,7 +126,11 @@ def _transformers_bars_off() -> Iterator[None]:
                 if transformers_on:
                     hf_logging.enable_progress_bar()  # turns the hub's on too
                 if hub_off != hub_utils.are_progress_bars_disabled():
-                    (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
+                    (
+                        hub_utils.disable_progress_bars
+                        if hub_off
+                        else hub_utils.enable_progress_bars
+                    )()
 
 
 def load_weights(model: Any, folder: Path) -> None:
@@ -137,17 +160,27 @@ class CheckpointSnapshot:
 
     model: Any  # for save_pretrained and its config; its live weights are read only without a copy
     weights: dict[str, Any] | None  # None: no copy, the model's weights as they are when written
-    optimizer: dict[str, Any] | None  # None, and scheduler and rng: the model alone (save_only_model)
+    # None, and scheduler and rng: the model alone (save_only_model)
+    optimizer: dict[str, Any] | None
     scheduler: dict[str, Any] | None
     rng: dict[str, Any] | None
     state: dict[str, Any]
     args: dict[str, Any]
-    scaler: dict[str, Any] | None = None  # fp16's gradient scaler: its scale and growth tracker (plain numbers)
+    # fp16's gradient scaler: its scale and growth tracker (plain numbers)
+    scaler: dict[str, Any] | None = None
 
 
-def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                        args: Mapping[str, Any], scaler: Any = None, copy: bool = True,
-                        model_only: bool = False) -> CheckpointSnapshot:
+def snapshot_checkpoint(
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: Mapping[str, Any],
+    args: Mapping[str, Any],
+    scaler: Any = None,
+    copy: bool = True,
+    model_only: bool = False,
+) -> CheckpointSnapshot:
     """Gather what `write_snapshot` writes. ``copy`` (for a write on another thread) copies the
     tensors, a memcpy of the weights and optimizer state; without it the snapshot refers to the
     live state and must be written before training goes on. ``scaler``: fp16's ``GradScaler``
@@ -155,19 +188,39 @@ def snapshot_checkpoint(*, model: Any, optimizer: Any, scheduler: Any, state: Ma
     ``model_only`` (``save_only_model``): the weights and the trainer state, nothing to resume from."""
     if model_only:
         weights = _cpu_copy(model.state_dict(), {}) if copy else None
-        return CheckpointSnapshot(model=model, weights=weights, optimizer=None, scheduler=None, rng=None,
-                                  state=_cpu_copy(dict(state), {}), args=_cpu_copy(dict(args), {}))
-    scaler_state = (scaler.state_dict() or None) if scaler is not None else None  # a disabled scaler has none
+        return CheckpointSnapshot(
+            model=model,
+            weights=weights,
+            optimizer=None,
+            scheduler=None,
+            rng=None,
+            state=_cpu_copy(dict(state), {}),
+            args=_cpu_copy(dict(args), {}),
+        )
+    # a disabled scaler has none
+    scaler_state = (scaler.state_dict() or None) if scaler is not None else None
     if not copy:
-        return CheckpointSnapshot(model=model, weights=None, optimizer=optimizer.state_dict(),
-                                  scheduler=scheduler.state_dict(), rng=rng_state(), state=dict(state), args=dict(args),
-                                  scaler=scaler_state)
+        return CheckpointSnapshot(
+            model=model,
+            weights=None,
+            optimizer=optimizer.state_dict(),
+            scheduler=scheduler.state_dict(),
+            rng=rng_state(),
+            state=dict(state),
+            args=dict(args),
+            scaler=scaler_state,
+        )
     memo: dict[Any, Any] = {}
-    return CheckpointSnapshot(model=model, weights=_cpu_copy(model.state_dict(), memo),
-                              optimizer=_cpu_copy(optimizer.state_dict(), memo),
-                              scheduler=_cpu_copy(scheduler.state_dict(), memo), rng=rng_state(),
-                              state=_cpu_copy(dict(state), memo), args=_cpu_copy(dict(args), memo),
-                              scaler=scaler_state)
+    return CheckpointSnapshot(
+        model=model,
+        weights=_cpu_copy(model.state_dict(), memo),
+        optimizer=_cpu_copy(optimizer.state_dict(), memo),
+        scheduler=_cpu_copy(scheduler.state_dict(), memo),
+        rng=rng_state(),
+        state=_cpu_copy(dict(state), memo),
+        args=_cpu_copy(dict(args), memo),
+        scaler=scaler_state,
+    )
 
 
 def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
@@ -176,8 +229,14 @@ def _cpu_copy(value: Any, memo: dict[Any, Any]) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype,
-               str(value.device))
+        key = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            value.shape,
+            value.stride(),
+            value.dtype,
+            str(value.device),
+        )
         if key not in memo:
             memo[key] = value.detach().to("cpu", copy=True)
         return memo[key]
@@ -196,9 +255,14 @@ def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
     import torch
 
     with atomic_dir(final) as tmp:
-        save_weights(snapshot.model, tmp, snapshot.weights, quiet=bool(snapshot.args.get("disable_progress")))
-        for name, value in (("optimizer.pt", snapshot.optimizer), ("scheduler.pt", snapshot.scheduler),
-                            ("rng_state.pth", snapshot.rng)):
+        save_weights(
+            snapshot.model, tmp, snapshot.weights, quiet=bool(snapshot.args.get("disable_progress"))
+        )
+        for name, value in (
+            ("optimizer.pt", snapshot.optimizer),
+            ("scheduler.pt", snapshot.scheduler),
+            ("rng_state.pth", snapshot.rng),
+        ):
             if value is not None:
                 torch.save(value, tmp / name)
         # Plain writes: the folder is renamed into place as a whole, its files need no renames of their own.
@@ -206,15 +270,35 @@ def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
         if snapshot.scaler is not None:
             files.append((SCALER_FILE, snapshot.scaler))
         for name, data in files:
-            (tmp / name).write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
+            (tmp / name).write_text(
+                json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8"
+            )
     return final
 
 
-def write_checkpoint(final: Path, *, model: Any, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                     args: Mapping[str, Any], scaler: Any = None) -> Path:
+def write_checkpoint(
+    final: Path,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: Mapping[str, Any],
+    args: Mapping[str, Any],
+    scaler: Any = None,
+) -> Path:
     """Write a checkpoint of the objects as they are now, on this thread (see `write_snapshot`)."""
-    return write_snapshot(final, snapshot_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler,
-                                                     state=state, args=args, scaler=scaler, copy=False))
+    return write_snapshot(
+        final,
+        snapshot_checkpoint(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            args=args,
+            scaler=scaler,
+            copy=False,
+        ),
+    )
 
 
 class CheckpointWriter:
@@ -233,8 +317,15 @@ class CheckpointWriter:
     def pending(self) -> bool:
         return self._thread is not None
 
-    def submit(self, final: Path, snapshot: CheckpointSnapshot, *, limit: int | None, keep: Path | None,
-               background: bool = True) -> None:
+    def submit(
+        self,
+        final: Path,
+        snapshot: CheckpointSnapshot,
+        *,
+        limit: int | None,
+        keep: Path | None,
+        background: bool = True,
+    ) -> None:
         """Write ``snapshot`` to ``final``, then rotate. ``background=False`` writes on this thread
         (after pending writes): a caller that must wait anyway saves the thread hand-off, which a
         busy machine can make cost milliseconds."""
@@ -251,7 +342,9 @@ class CheckpointWriter:
             except BaseException as exc:  # raised on the training thread by wait()
                 self._error = exc
 
-        self._thread = threading.Thread(target=job, name=f"hpsweep-write-{final.name}", daemon=False)
+        self._thread = threading.Thread(
+            target=job, name=f"hpsweep-write-{final.name}", daemon=False
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -263,8 +356,9 @@ class CheckpointWriter:
             raise error
 
 
-def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any,
-                    scaler: Any = None) -> tuple[dict[str, Any], Any]:
+def read_checkpoint(
+    folder: Path, *, model: Any, optimizer: Any, scheduler: Any, scaler: Any = None
+) -> tuple[dict[str, Any], Any]:
     """Load a checkpoint written by `write_checkpoint` into the given objects (never with pickle).
 
     ``scaler`` (fp16's ``GradScaler``) gets its scale and growth tracker back when the checkpoint
@@ -275,28 +369,41 @@ def read_checkpoint(folder: Path, *, model: Any, optimizer: Any, scheduler: Any,
     import torch
 
     load_weights(model, folder)
-    saved = _in_one_group(torch.load(folder / "optimizer.pt", weights_only=True),
-                          torch.load(folder / "scheduler.pt", weights_only=True), len(optimizer.param_groups))
+    saved = _in_one_group(
+        torch.load(folder / "optimizer.pt", weights_only=True),
+        torch.load(folder / "scheduler.pt", weights_only=True),
+        len(optimizer.param_groups),
+    )
     optimizer.load_state_dict(saved[0])
     scheduler.load_state_dict(saved[1])
     if scaler is not None and (folder / SCALER_FILE).exists():
         scaler.load_state_dict(read_json(folder / SCALER_FILE))
-    return read_json(folder / "trainer_state.json"), torch.load(folder / "rng_state.pth", weights_only=True)
+    return read_json(folder / "trainer_state.json"), torch.load(
+        folder / "rng_state.pth", weights_only=True
+    )
 
 
-def _in_one_group(optimizer: dict[str, Any], scheduler: dict[str, Any],
-                  groups: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _in_one_group(
+    optimizer: dict[str, Any], scheduler: dict[str, Any], groups: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fit a checkpoint of the two param groups hpsweep 0.1 always made (decay, no decay) to the
     one group it makes without weight decay, so a sweep cut short before the upgrade resumes.
     Two groups without decay hold the same settings, so the state carries over exactly."""
     saved = optimizer["param_groups"]
     if groups != 1 or len(saved) != 2 or any(g.get("weight_decay") for g in saved):
         return optimizer, scheduler
-    if {k: v for k, v in saved[0].items() if k != "params"} != {k: v for k, v in saved[1].items() if k != "params"}:
+    if {k: v for k, v in saved[0].items() if k != "params"} != {
+        k: v for k, v in saved[1].items() if k != "params"
+    }:
         return optimizer, scheduler
-    optimizer = {**optimizer, "param_groups": [{**saved[0], "params": saved[0]["params"] + saved[1]["params"]}]}
-    scheduler = {k: v[:1] if k in ("base_lrs", "_last_lr", "lr_lambdas") and isinstance(v, list) else v
-                 for k, v in scheduler.items()}
+    optimizer = {
+        **optimizer,
+        "param_groups": [{**saved[0], "params": saved[0]["params"] + saved[1]["params"]}],
+    }
+    scheduler = {
+        k: v[:1] if k in ("base_lrs", "_last_lr", "lr_lambdas") and isinstance(v, list) else v
+        for k, v in scheduler.items()
+    }
     return optimizer, scheduler
 
 
@@ -311,10 +418,21 @@ def rng_state() -> dict[str, Any]:
     # Python's 625 state words as one tensor: as a tuple, torch.save pickled them one by one
     # (~600 calls into its pickler a checkpoint; a small model's checkpoint took 5.3 ms, now 4.6).
     version, internal, gauss = random.getstate()
-    state = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-             "torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                       "has_gauss": has_gauss, "cached": cached}}
+    state = {
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached": cached,
+        },
+    }
     # Not is_available(): that initialises the CUDA driver, and processes forked afterwards (the
     # data-parallel ranks of a trial whose model was built here) could no longer use the GPU.
     if torch.cuda.is_initialized():
@@ -329,12 +447,17 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     import torch
 
     python = state["python"]  # a tuple in checkpoints written before the state became a tensor
-    version, internal, gauss = (python["version"], python["internal"].tolist(), python["gauss"]) if isinstance(
-        python, Mapping) else python
+    version, internal, gauss = (
+        (python["version"], python["internal"].tolist(), python["gauss"])
+        if isinstance(python, Mapping)
+        else python
+    )
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -358,8 +481,13 @@ def resolve_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | No
     else:
         path = Path(resume)
         if not (path / "trainer_state.json").exists():
-            raise UserError(f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder")
-    if not resumable(path):  # transformers goes on with a new optimizer and schedule: not the run it was
-        raise UserError(f"{path} holds the model alone (save_only_model=True) and cannot resume its run; train "
-                        "without resume_from_checkpoint to start again, or keep full checkpoints (save_only_model=False)")
+            raise UserError(
+                f"{path} is not a checkpoint folder (no trainer_state.json); give a checkpoint-<step> folder"
+            )
+    # transformers goes on with a new optimizer and schedule: not the run it was
+    if not resumable(path):
+        raise UserError(
+            f"{path} holds the model alone (save_only_model=True) and cannot resume its run; train "
+            "without resume_from_checkpoint to start again, or keep full checkpoints (save_only_model=False)"
+        )
     return path

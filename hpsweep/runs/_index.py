@@ -16,6 +16,7 @@ index learns what changed from three cheap sources instead:
 
 A record is parsed again only when its file changed (inode, mtime, size).
 """
+
 from __future__ import annotations
 
 import os
@@ -99,10 +100,13 @@ class TrialIndex:
         with open(self._journal, "rb") as f:
             f.seek(self._offset)
             data = f.read(size - self._offset)
-        whole = data[:data.rfind(b"\n") + 1]  # a line still being written is read next time
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
         self._offset += len(whole)
-        return {name for name in whole.decode(errors="replace").split("\n")
-                if name and not name.startswith(".") and os.sep not in name}
+        return {
+            name
+            for name in whole.decode(errors="replace").split("\n")
+            if name and not name.startswith(".") and os.sep not in name
+        }
 
     def _check(self, name: str) -> None:
         loaded = load_record(os.path.join(self.output_dir, name, TRIAL_FILE))

@@ -1,4 +1,5 @@
 """Run folders, trial records (``trial.json``) and the best run (``best/``, ``best_run.json``)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ._atomic import _json_default, atomic_dir, read_json, write_json
-
 
 TRIAL_FILE = "trial.json"
 #: One line (a run folder's name) each time a record is written: how ledgers learn what changed.
@@ -30,6 +30,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 # --- names ---------------------------------------------------------------------------------------
 
+
 def safe_name(name: str, fallback: str) -> str:
     """``name`` as one safe folder name: no separators, no leading dots, at most 100 characters.
 
@@ -40,10 +41,12 @@ def safe_name(name: str, fallback: str) -> str:
     cleaned = _UNSAFE.sub("-", str(name)).strip("-.")
     if len(cleaned) > MAX_NAME:
         digest = hashlib.sha1(cleaned.encode()).hexdigest()[:10]
-        cleaned = f"{cleaned[:MAX_NAME - 11].strip('-.')}-{digest}"
+        cleaned = f"{cleaned[: MAX_NAME - 11].strip('-.')}-{digest}"
     if not cleaned:
         return fallback
-    reserved = cleaned.lower() in RESERVED or cleaned.lower().startswith(("study.db", "study.journal"))
+    reserved = cleaned.lower() in RESERVED or cleaned.lower().startswith(
+        ("study.db", "study.journal")
+    )
     return f"run-{cleaned}" if reserved else cleaned
 
 
@@ -63,6 +66,7 @@ def run_dir_for(output_dir: Path, trial_id: str, name: str | None = None) -> Pat
 
 
 # --- trial records -------------------------------------------------------------------------------
+
 
 @dataclass
 class TrialRecord:
@@ -160,7 +164,9 @@ def _journal(run_dir: Path) -> None:
     lines from several processes do not mix; a line that cannot be written is found by the next
     full check instead (`TrialIndex.verify`), so it never fails the save."""
     try:
-        fd = os.open(run_dir.parent / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(
+            run_dir.parent / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666
+        )
     except OSError:
         return
     try:
@@ -178,6 +184,7 @@ _PARSED: dict[str, tuple[tuple[int, int, int], TrialRecord | None]] = {}
 
 # --- the best run --------------------------------------------------------------------------------
 
+
 @dataclass
 class BestRun:
     """The best trial of a sweep (one of the Pareto front for multi-objective sweeps)."""
@@ -192,9 +199,15 @@ class BestRun:
     @classmethod
     def from_record(cls, record: TrialRecord) -> BestRun:
         checkpoint = str(Path(record.run_dir) / record.checkpoint) if record.checkpoint else None
-        summary = {"number": record.number, "state": record.state, "metrics": record.metrics,
-                   "objective_name": record.objective_name, "directions": record.directions,
-                   "duration_s": record.duration_s, "backend": record.backend}
+        summary = {
+            "number": record.number,
+            "state": record.state,
+            "metrics": record.metrics,
+            "objective_name": record.objective_name,
+            "directions": record.directions,
+            "duration_s": record.duration_s,
+            "backend": record.backend,
+        }
         return cls(record.id, record.objective, record.params, record.run_dir, checkpoint, summary)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,8 +233,15 @@ def best_records(records: Sequence[TrialRecord], directions: Sequence[str]) -> l
             if is_better(r.objective, best.objective if best else None, directions[0]):  # type: ignore[arg-type]
                 best = r
         return [best] if best else []
-    return [r for r in done if not any(dominates(o.objective, r.objective, directions)  # type: ignore[arg-type]
-                                       for o in done if o is not r)]
+    return [
+        r
+        for r in done
+        if not any(
+            dominates(o.objective, r.objective, directions)  # type: ignore[arg-type]
+            for o in done
+            if o is not r
+        )
+    ]
 
 
 def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
@@ -244,7 +264,9 @@ def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
         best = BestRun.from_record(record)
         if best.checkpoint and Path(best.checkpoint).is_dir():
             with atomic_dir(output_dir / BEST_DIR) as tmp:
-                shutil.copytree(best.checkpoint, tmp, dirs_exist_ok=True, copy_function=_link_or_copy)
+                shutil.copytree(
+                    best.checkpoint, tmp, dirs_exist_ok=True, copy_function=_link_or_copy
+                )
                 (tmp / "README.md").write_text(best_run_readme(best))
         write_json(output_dir / BEST_FILE, best.to_dict())
         return True
@@ -272,10 +294,12 @@ def best_run_readme(best: BestRun) -> str:
     """A short README for ``best/``: where it came from and how to load it."""
     params = "\n".join(f"| `{k}` | `{v}` |" for k, v in best.hyperparameters.items())
     name = best.run_summary.get("objective_name", "objective")
-    return (f"# Best run: {Path(best.run_dir).name}\n\n"
-            f"{name} = {best.objective}\n\n| parameter | value |\n| --- | --- |\n{params}\n\n"
-            "Load the weights with `safetensors.torch.load_model(model, 'model.safetensors')`"
-            " (or `from_pretrained(this_folder)` for Hugging Face models).\n")
+    return (
+        f"# Best run: {Path(best.run_dir).name}\n\n"
+        f"{name} = {best.objective}\n\n| parameter | value |\n| --- | --- |\n{params}\n\n"
+        "Load the weights with `safetensors.torch.load_model(model, 'model.safetensors')`"
+        " (or `from_pretrained(this_folder)` for Hugging Face models).\n"
+    )
 
 
 def params_json(params: Mapping[str, Any]) -> str:

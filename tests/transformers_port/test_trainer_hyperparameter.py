@@ -40,13 +40,12 @@ import unittest
 import optuna  # noqa: F401  (was @require_optuna)
 import ray  # noqa: F401  (was @require_ray)
 import wandb  # noqa: F401  (was @require_wandb)
-
-from hpsweep import TrainingArguments  # was: from transformers import TrainingArguments
+from ray_nodes import ray_nodes  # hpsweep differs here: see the Ray client test
 from transformers.testing_utils import torch_device
 from transformers.trainer_utils import IntervalStrategy
 from transformers.utils.hp_naming import TrialShortNamer
 
-from ray_nodes import ray_nodes  # hpsweep differs here: see the Ray client test
+from hpsweep import TrainingArguments  # was: from transformers import TrainingArguments
 
 from .trainer_test_utils import (
     AlmostAccuracy,
@@ -96,7 +95,9 @@ class TrainerHyperParameterOptunaIntegrationTest(unittest.TestCase):
                 run_name="test",
                 model_init=model_init,
             )
-            trainer.hyperparameter_search(direction="minimize", hp_space=hp_space, hp_name=hp_name, n_trials=4)
+            trainer.hyperparameter_search(
+                direction="minimize", hp_space=hp_space, hp_name=hp_name, n_trials=4
+            )
 
 
 class TrainerHyperParameterMultiObjectOptunaIntegrationTest(unittest.TestCase):
@@ -235,10 +236,15 @@ class TrainerHyperParameterRayIntegrationTest(unittest.TestCase):
         self.ray_hyperparameter_search()
 
     def test_hyperparameter_search_ray_client(self):
-        import ray
-        from ray.util.client.ray_client_helpers import ray_start_client_server_for_address  # hpsweep differs here
+        # hpsweep differs here
+        from ray.util.client.ray_client_helpers import (
+            ray_start_client_server_for_address,
+        )
 
-        with ray_nodes(workers=0, token=False) as head, ray_start_client_server_for_address(head.address):
+        with (
+            ray_nodes(workers=0, token=False) as head,
+            ray_start_client_server_for_address(head.address),
+        ):
             assert ray.util.client.ray.is_connected()
             self.ray_hyperparameter_search()
 
@@ -304,7 +310,9 @@ class TrainerHyperParameterWandbIntegrationTest(unittest.TestCase):
             import json
             import os
 
-            sweep_id = json.loads(open(os.path.join(tmp_dir, "wandb_sweep.json")).read())["sweep_id"]
+            sweep_id = json.loads(open(os.path.join(tmp_dir, "wandb_sweep.json")).read())[
+                "sweep_id"
+            ]
             sweep_kwargs["sweep_id"] = sweep_id
             updated_best_run = trainer.hyperparameter_search(**sweep_kwargs)
 

@@ -22,22 +22,21 @@
 import dataclasses
 
 import numpy as np
-
-from hpsweep import TrainingArguments  # was: from transformers import (..., TrainingArguments, ...)
 from transformers import (
     PreTrainedConfig,
     is_torch_available,
 )
 
+from hpsweep import TrainingArguments  # was: from transformers import (..., TrainingArguments, ...)
 
 if is_torch_available():
     import torch
     from torch import nn
-
-    from hpsweep import Trainer  # was: from transformers import (..., Trainer, ...)
     from transformers import (
         PreTrainedModel,
     )
+
+    from hpsweep import Trainer  # was: from transformers import (..., Trainer, ...)
 
 
 class RegressionDataset:
@@ -46,7 +45,9 @@ class RegressionDataset:
         self.label_names = ["labels"] if label_names is None else label_names
         self.length = length
         self.x = np.random.normal(size=(length,)).astype(np.float32)
-        self.ys = [a * self.x + b + np.random.normal(scale=0.1, size=(length,)) for _ in self.label_names]
+        self.ys = [
+            a * self.x + b + np.random.normal(scale=0.1, size=(length,)) for _ in self.label_names
+        ]
         self.ys = [y.astype(np.float32) for y in self.ys]
 
     def __len__(self):
