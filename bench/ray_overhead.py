@@ -168,8 +168,8 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
     ns = parser.parse_args()
 
-    from hpsweep.backends._ray_cluster import QUIET_ENV as _QUIET_ENV
-    from hpsweep.backends._ray_cluster import WORKER_ENV
+    from hpsweep.search.backends._ray._cluster import QUIET_ENV as _QUIET_ENV
+    from hpsweep.search.backends._ray._cluster import WORKER_ENV
 
     for key, value in _QUIET_ENV.items():  # the same environment for every side
         os.environ.setdefault(key, value)

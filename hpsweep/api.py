@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
-from .spacefile import load_space_file
+from hpsweep.errors import UserError
+from hpsweep.search.space_file import load_space_file
 
 
 def run(
@@ -28,8 +28,8 @@ def run(
     ``pruner``, ``scheduler``, ``storage``, ``resume``, ``seed``, ``address``,
     ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``).
     """
-    from .arguments import TrainingArguments
-    from .trainer import Trainer
+    from hpsweep.train.arguments import TrainingArguments
+    from hpsweep.train.trainer import Trainer
 
     sf = load_space_file(space_file)
     args: TrainingArguments = sf.args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import signal
 from collections.abc import Iterable
 
 
@@ -12,6 +13,18 @@ class UserError(Exception):
     The message is one line that names the value, what was expected and the fix. The command
     line prints it without a traceback and exits with code 2.
     """
+
+
+class TrialFailed(Exception):
+    """A trial raised; its error is recorded in its trial.json and the sweep goes on."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM; ``signum`` picks the exit code (128 + signum)."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class TrialPruned(Exception):

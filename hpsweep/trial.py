@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from typing import Any
 
-from .errors import UserError
+from hpsweep.errors import UserError
 
 
 class Trial:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from hpsweep.cli import build_parser
+from hpsweep.cli.commands import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 IMAGE = re.compile(r"^[\w.-]+(?::\d+)?(/[\w.-]+)*/hpsweep-ray:(?P<version>\d+\.\d+\.\d+)(-cuda)?$")

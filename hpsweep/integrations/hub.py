@@ -21,12 +21,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .. import runs
-from ..callbacks import TrainerCallback
-from ..errors import UserError
-from ..objective import SPEED_SUFFIXES
-from ..sweep import SweepCallback
-from . import is_secret_name, scrub
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.integrations import is_secret_name, scrub
+from hpsweep.search.job import SweepCallback
+from hpsweep.train.callbacks import TrainerCallback
+from hpsweep.train.metrics import SPEED_SUFFIXES
 
 logger = logging.getLogger("hpsweep.hub")
 

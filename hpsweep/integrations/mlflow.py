@@ -24,10 +24,10 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..callbacks import TrainerCallback
-from ..errors import UserError
-from ..sweep import SweepCallback
-from . import redact_url, scrub
+from hpsweep.errors import UserError
+from hpsweep.integrations import redact_url, scrub
+from hpsweep.search.job import SweepCallback
+from hpsweep.train.callbacks import TrainerCallback
 
 logger = logging.getLogger("hpsweep.mlflow")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import runs
-from ..errors import UserError
-from ..objective import SPEED_SUFFIXES
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.train.metrics import SPEED_SUFFIXES
 
 REPORT_FILE = "report.html"
 _STATES = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL", "stopped": "FAIL"}

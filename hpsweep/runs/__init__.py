@@ -18,8 +18,14 @@ folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_i
 records kept in memory for the ledger).
 """
 
-from ._atomic import atomic_dir, read_json, recover_interrupted_swaps, write_json, write_text
-from ._checkpoints import (
+from hpsweep.runs._atomic import (
+    atomic_dir,
+    read_json,
+    recover_interrupted_swaps,
+    write_json,
+    write_text,
+)
+from hpsweep.runs._checkpoints import (
     CHECKPOINT_PREFIX,
     SCALER_FILE,
     CheckpointSnapshot,
@@ -38,8 +44,8 @@ from ._checkpoints import (
     write_checkpoint,
     write_snapshot,
 )
-from ._index import TrialIndex
-from ._records import (
+from hpsweep.runs._index import TrialIndex
+from hpsweep.runs._records import (
     BEST_DIR,
     BEST_FILE,
     FINAL_STATES,

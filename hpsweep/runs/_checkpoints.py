@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._atomic import _json_default, atomic_dir, read_json
+from hpsweep.runs._atomic import _json_default, atomic_dir, read_json
 
 CHECKPOINT_PREFIX = "checkpoint-"
 SCALER_FILE = "scaler.json"
@@ -470,7 +470,7 @@ def resumable(folder: Path) -> bool:
 def resolve_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | None:
     """The checkpoint ``resume_from_checkpoint`` names: ``True`` for the latest in ``output_dir``,
     a path for that ``checkpoint-<step>`` folder; a wrong one is one `UserError`."""
-    from ..errors import UserError
+    from hpsweep.errors import UserError
 
     if not resume:
         return None

@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from ._records import JOURNAL, TRIAL_FILE, TrialRecord, load_record, trial_names
+from hpsweep.runs._records import JOURNAL, TRIAL_FILE, TrialRecord, load_record, trial_names
 
 VERIFY_S = 5.0
 UNSETTLED = ("running", "stopped")  # checked at every refresh: see the module's docstring

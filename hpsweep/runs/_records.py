@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._atomic import _json_default, atomic_dir, read_json, write_json
+from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
 
 TRIAL_FILE = "trial.json"
 #: One line (a run folder's name) each time a record is written: how ledgers learn what changed.

@@ -40,7 +40,7 @@ import unittest
 import optuna  # noqa: F401  (was @require_optuna)
 import ray  # noqa: F401  (was @require_ray)
 import wandb  # noqa: F401  (was @require_wandb)
-from ray_nodes import ray_nodes  # hpsweep differs here: see the Ray client test
+from support.ray_nodes import ray_nodes  # hpsweep differs here: see the Ray client test
 from transformers.testing_utils import torch_device
 from transformers.trainer_utils import IntervalStrategy
 from transformers.utils.hp_naming import TrialShortNamer

@@ -1,0 +1,320 @@
+"""The ``hpsweep`` command line: ``run``, ``show``, ``report``, ``push``.
+
+Exit codes: 0 done; 2 a user error, printed as one line with no traceback; 1 an internal
+failure; 130 after Ctrl-C, once running trials are recorded as stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hpsweep.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpsweep", description="Hyperparameter search over PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"hpsweep {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run the sweep a space file describes")
+    run.add_argument(
+        "space_file", help="a .py file defining model_init, args, space, train_dataset, ..."
+    )
+    run.add_argument("--backend", default="optuna", help="optuna (default), ray or wandb")
+    run.add_argument(
+        "--n-trials",
+        type=int,
+        default=20,
+        help="trials the study should hold when done (default 20)",
+    )
+    run.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    run.add_argument(
+        "--output-dir", help="where runs, best/ and the study go (default: args.output_dir)"
+    )
+    run.add_argument("--study-name", help="study name (default: the space file's name)")
+    run.add_argument(
+        "--storage",
+        help="optuna: a journal file's path or a storage URL such as sqlite:///study.db "
+        "(default: OUTPUT_DIR/study.journal); "
+        "ray: where Tune keeps its experiment (a path or s3://...)",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="accepted for compatibility: the same command always continues its sweep",
+    )
+    run.add_argument(
+        "--sampler", help="optuna: tpe, random, cmaes, gp, grid, nsga2; wandb: random, grid, bayes"
+    )
+    run.add_argument(
+        "--pruner", help="optuna: median, hyperband, sha, none; wandb: hyperband, none"
+    )
+    run.add_argument("--scheduler", help="ray: fifo, asha, hyperband, pbt")
+    run.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
+    run.add_argument(
+        "--max-failed-trials",
+        type=int,
+        default=5,
+        help="end the sweep after this many failed trials in one run (default 5)",
+    )
+    run.add_argument(
+        "--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)"
+    )
+    run.add_argument(
+        "--resources-per-trial",
+        type=_resources,
+        help="what each trial gets, on every backend: cpu=N threads, gpu=F GPUs (0.5: two trials "
+        "share one; default: 1 per process where CUDA sees a GPU, else 0)",
+    )
+    run.add_argument(
+        "--processes-per-trial",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train each trial data-parallel over N processes (NCCL on GPUs, gloo on CPU); "
+        "the effective batch is per_device_train_batch_size x N",
+    )
+    run.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
+    run.add_argument(
+        "--set",
+        dest="set_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one TrainingArguments field (repeatable)",
+    )
+    run.add_argument("--seed", type=int, help="seed for the sampler")
+    run.add_argument(
+        "--mlflow",
+        nargs="?",
+        const="",
+        metavar="TRACKING_URI",
+        help="track the sweep in MLflow (default URI: $MLFLOW_TRACKING_URI, else MLflow's local default)",
+    )
+    run.add_argument(
+        "--mlflow-fatal", action="store_true", help="stop the sweep when MLflow tracking fails"
+    )
+    run.add_argument(
+        "--mlflow-log-best",
+        action="store_true",
+        help="upload best/ as an artifact of the MLflow run",
+    )
+    run.add_argument(
+        "--push-to-hub", metavar="REPO_ID", help="push the best run to this Hugging Face Hub repo"
+    )
+    run.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
+    run.add_argument("--hub-revision", metavar="BRANCH", help="push to this branch of the Hub repo")
+    run.set_defaults(func=cmd_run)
+
+    show = sub.add_parser("show", help="the trials of a sweep as a table")
+    show.add_argument("dir", help="the sweep's output folder")
+    show.add_argument("--json", action="store_true", help="print the trials as JSON")
+    show.set_defaults(func=cmd_show)
+
+    report = sub.add_parser("report", help="an HTML page with plots of the sweep (DIR/report.html)")
+    report.add_argument("dir", help="the sweep's output folder")
+    report.add_argument("--output", help="where to write the page (default: DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+
+    push = sub.add_parser(
+        "push", help="push the best run, with a model card, to the Hugging Face Hub"
+    )
+    push.add_argument("dir", help="the sweep's output folder")
+    push.add_argument(
+        "--repo-id",
+        required=True,
+        help="USER/NAME or ORG/NAME (the token: `hf auth login` or HF_TOKEN)",
+    )
+    push.add_argument("--private", action="store_true", help="create the repo as private")
+    push.add_argument(
+        "--revision", metavar="BRANCH", help="push to this branch (created if needed)"
+    )
+    push.set_defaults(func=cmd_push)
+    return parser
+
+
+def _resources(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            out[key.strip()] = float(value)  # cpu, gpu, or a custom Ray resource
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not name=number, e.g. cpu=1,gpu=0.5"
+            ) from None
+    return out
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from hpsweep.cli.startup_heap import FreezeAtSweepBegin, collector_off, freeze_libraries
+    from hpsweep.devices.threads import note_start
+
+    note_start()  # the first trial's threads are decided over the command's start-up
+    with collector_off():  # see hpsweep.cli.startup_heap
+        from hpsweep.api import run
+
+        freeze_libraries()
+
+        options: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "timeout": ns.timeout,
+                "storage": ns.storage,
+                "sampler": ns.sampler,
+                "pruner": ns.pruner,
+                "scheduler": ns.scheduler,
+                "address": ns.address,
+                "resources_per_trial": ns.resources_per_trial,
+                "seed": ns.seed,
+            }.items()
+            if v is not None
+        }
+        options["max_failed_trials"] = ns.max_failed_trials
+        options["processes_per_trial"] = ns.processes_per_trial
+        # the freeze comes last: after MLflow's imports
+        options["sweep_callbacks"] = [*_sweep_callbacks(ns), FreezeAtSweepBegin()]
+        best = run(
+            ns.space_file,
+            backend=ns.backend,
+            n_trials=ns.n_trials,
+            output_dir=ns.output_dir,
+            config=ns.config,
+            set_args=ns.set_args,
+            study_name=ns.study_name,
+            resume=ns.resume,
+            n_jobs=ns.n_jobs,
+            **options,
+        )
+        _print_best(best)
+    return 0
+
+
+def _sweep_callbacks(ns: argparse.Namespace) -> list[Any]:
+    callbacks: list[Any] = []
+    if ns.mlflow is not None:
+        from hpsweep.integrations.mlflow import MLflowTracker
+
+        callbacks.append(
+            MLflowTracker(
+                ns.mlflow or None, fatal=ns.mlflow_fatal, log_best_checkpoint=ns.mlflow_log_best
+            )
+        )
+    if ns.push_to_hub:
+        from hpsweep.integrations.hub import PushBestAtEnd
+
+        callbacks.append(
+            PushBestAtEnd(ns.push_to_hub, private=ns.hub_private, revision=ns.hub_revision)
+        )
+    return callbacks
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from hpsweep.integrations.report import write_report
+
+    print(write_report(Path(ns.dir), Path(ns.output) if ns.output else None))
+    return 0
+
+
+def cmd_push(ns: argparse.Namespace) -> int:
+    from hpsweep.integrations.hub import push_best
+
+    print(push_best(Path(ns.dir), ns.repo_id, private=ns.private, revision=ns.revision))
+    return 0
+
+
+def _print_best(best: Any) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for b in best if isinstance(best, list) else [best]:
+        name = b.run_summary.get("objective_name", "objective")
+        console.print(
+            f"[bold green]best[/] {Path(b.run_dir).name}: {name}={b.objective}  "
+            f"params={json.dumps(b.hyperparameters)}  checkpoint={b.checkpoint}",
+            highlight=False,
+            soft_wrap=True,
+        )  # one line, as a script reading it expects, in a pipe too
+
+
+def cmd_show(ns: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from hpsweep import runs
+
+    folder = Path(ns.dir)
+    records = runs.read_trials(folder)
+    if not records:
+        raise UserError(
+            f"{folder}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
+        )
+    best = runs.read_best(folder)
+    best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
+    if ns.json:
+        print(
+            json.dumps(
+                [{**asdict(r), "best": r.id in best_ids} for r in records], indent=2, default=str
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{folder}: {len(records)} trials")
+    for column in ("#", "run", "state", records[0].objective_name, "params", "time"):
+        table.add_column(column, justify="right" if column in ("#", "time") else "left")
+    for r in records:
+        mark = " [bold green]★[/]" if r.id in best_ids else ""
+        objective = (
+            ""
+            if r.objective is None
+            else json.dumps(r.objective)
+            if isinstance(r.objective, list)
+            else f"{r.objective:.6g}"
+        )
+        table.add_row(
+            str(r.number),
+            Path(r.run_dir).name + mark,
+            r.state,
+            objective,
+            ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.params.items()
+            ),
+            f"{r.duration_s:.1f}s" if r.duration_s is not None else "",
+        )
+    Console().print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+    except UserError as exc:
+        print(f"hpsweep: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(
+            "hpsweep: interrupted; finished trials are saved and running ones recorded as stopped "
+            "(run the same command again to continue)",
+            file=sys.stderr,
+        )
+        return 128 + getattr(exc, "signum", 2)
+
+
+def _version() -> str:
+    from hpsweep import __version__
+
+    return __version__

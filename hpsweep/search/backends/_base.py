@@ -1,0 +1,168 @@
+"""The one interface a search backend implements."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hpsweep.errors import UserError, did_you_mean
+from hpsweep.runs import TrialRecord
+from hpsweep.search.space import Distribution
+from hpsweep.trial import Trial
+
+#: What a backend calls for every trial: trains it and returns its objective value(s).
+#: Raises `hpsweep.errors.TrialPruned` when the trial was pruned, `TrialFailed` when it failed
+#: (already recorded on disk), `UserError` when the sweep as a whole cannot go on.
+TrialFunction = Callable[[Trial], "float | list[float]"]
+
+
+#: The settings only some backends read, and the backend to suggest when one is given to another.
+OPTIONAL_SETTINGS = ("storage", "address", "resources_per_trial")
+OWNERS = {"address": "ray", "storage": "optuna"}
+
+
+@dataclass
+class SearchSettings:
+    """Everything a backend needs to know about the search, independent of the trainer."""
+
+    output_dir: Path
+    space: dict[str, Distribution] | None = None
+    hp_space: Callable[[Trial], dict[str, Any]] | None = None
+    directions: list[str] = field(default_factory=lambda: ["minimize"])
+    objective_name: str = "eval_loss"
+    n_trials: int | None = None
+    timeout: float | None = None
+    n_jobs: int = 1
+    study_name: str = "hpsweep"
+    storage: str | None = None
+    resume: bool = False
+    sampler: str | None = None
+    pruner: str | None = None
+    scheduler: str | None = None
+    seed: int | None = None
+    address: str | None = None
+    resources_per_trial: dict[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
+    options: dict[str, Any] = field(default_factory=dict)
+    # the backend's name, for sweep callbacks that record it (MLflow, model cards)
+    backend: str = ""
+    max_failed_trials: int = 5
+    processes_per_trial: int = 1
+    #: The optional settings the user gave explicitly (checked against `Backend.reads`).
+    given: frozenset[str] = frozenset()
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.directions) > 1
+
+
+class Backend:
+    """Decides which params to try and where trials run; nothing else.
+
+    The search layer (`hpsweep.search.loop`) owns the loop: it claims a lease from the `Ledger`, asks the
+    backend for a trial, trains it and tells the backend how it ended. Counting, running orphaned
+    trials again, signals and failures are the ledger's and the loop's, alike for every backend.
+
+    A backend is one module in ``hpsweep/search/backends/`` and one line in ``backends/__init__.py``.
+    `__init__` checks the settings and raises `UserError` for what it cannot do (a sampler it
+    lacks, define-by-run, a missing extra), before anything is written to disk.
+
+    A backend implements `ask` and `tell` (the search layer's loop runs the trials, here and in
+    ``--n-jobs`` workers), or overrides `run` when its trials run elsewhere; `open` and `close` bracket a worker's use of it (in
+    each ``--n-jobs`` worker process after the fork, so connections are never shared). A backend
+    that runs trials somewhere else (Ray's cluster) overrides `run`.
+    """
+
+    name: ClassVar[str]
+    #: The generic choices the backend offers; any other given explicitly is an error.
+    samplers: ClassVar[Sequence[str]] = ()
+    pruners: ClassVar[Sequence[str]] = ()
+    schedulers: ClassVar[Sequence[str]] = ()
+    #: The optional settings the backend reads (names of `SearchSettings` fields); one given
+    #: explicitly that it does not read is an error, not silence.
+    reads: ClassVar[frozenset[str]] = frozenset()
+    #: Backend-specific keyword options (``hyperparameter_search(backend=..., name=value)``).
+    option_names: ClassVar[Sequence[str]] = ()
+    #: Whether ``--n-jobs`` worker processes may share the backend's records (a shared storage).
+    parallel: ClassVar[bool] = True
+
+    def __init__(self, settings: SearchSettings) -> None:
+        self.settings = settings
+        self._check_choice("sampler", settings.sampler, self.samplers)
+        self._check_choice("pruner", settings.pruner, self.pruners)
+        self._check_choice("scheduler", settings.scheduler, self.schedulers)
+        for name in sorted(settings.given - self.reads):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(
+                f"{flag}: the {self.name} backend does not use it; drop {flag}"
+                + (f" or use --backend {OWNERS[name]}" if name in OWNERS else "")
+            )
+        unknown = sorted(set(settings.options) - set(self.option_names))
+        if unknown:
+            takes = (
+                f"it takes {', '.join(self.option_names)}" if self.option_names else "it takes none"
+            )
+            raise UserError(
+                f"unknown {self.name} option(s) {', '.join(unknown)}{did_you_mean(unknown[0], self.option_names)}; "
+                f"{takes}"
+            )
+        if settings.n_jobs > 1 and not self.parallel:
+            raise UserError(
+                f"--n-jobs {settings.n_jobs}: the {self.name} backend runs one trial at a time; drop --n-jobs"
+            )
+
+    def _check_choice(self, what: str, value: Any, allowed: Sequence[str]) -> None:
+        if value is None or (not isinstance(value, str) and self._takes_object(what, value)):
+            return
+        if not allowed:
+            raise UserError(
+                f"--{what} {value}: the {self.name} backend has no {what}s; drop --{what}"
+            )
+        if value not in allowed:
+            raise UserError(
+                f"--{what} {value!r} is not one of {', '.join(allowed)} for the {self.name} backend"
+            )
+
+    @staticmethod
+    def transformers_keywords(
+        options: dict[str, Any],
+    ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+        """The keywords transformers hands this backend's library, which its users pass to
+        ``hyperparameter_search``, as hpsweep's: the options left, the search settings they stand
+        for (``sampler``, ``storage``, ``timeout``, ``n_jobs``, ``max_failed_trials``,
+        ``study_name``) and a note on those ignored. Read before the settings are made."""
+        return options, {}, None
+
+    def _takes_object(self, what: str, value: Any) -> bool:
+        """Whether ``value`` is a ready-made sampler / pruner / scheduler object the backend uses as
+        it is (Hugging Face users pass ``sampler=optuna.samplers.TPESampler(...)``)."""
+        return False
+
+    def open(self, worker: int = 0) -> None:
+        """Connect to the backend's records (a study, a sweep); called in the process that asks
+        (``worker`` numbers the ``--n-jobs`` processes, e.g. for distinct seeded streams)."""
+
+    def close(self) -> None:
+        """Release what `open` took."""
+
+    def ask(self, again: TrialRecord | None = None) -> Trial | None:
+        """The next trial to run, or None when the search has nothing more to try (a finished grid).
+
+        With ``again``, the record of a trial whose run was cut short: return that trial again,
+        with its number and params (its folder and checkpoint are the search layer's business).
+        A backend that overrides `run` (its trials run elsewhere) need not implement it.
+        """
+        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
+
+    def tell(self, trial: Trial, state: str, value: float | list[float] | None = None) -> None:
+        """How ``trial`` ended: ``complete`` (with its objective), ``pruned``, ``failed``, or
+        ``stopped`` (it will run again; the backend should not count it as a result)."""
+        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
+
+    def abandon(self, ref: Any) -> None:
+        """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""
+
+    def run(self, loop: Any) -> None:
+        """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers."""
+        loop.run_locally(self)

@@ -1,0 +1,387 @@
+"""What to try, in Ray Tune's terms, for the Ray Tune backend: the space as Tune domains, an
+``hp_space`` of Tune domains, and Tune's search algorithms and schedulers as hpsweep uses them.
+A private helper of the one-file backend `hpsweep.search.backends._ray`.
+
+Tune's search algorithms are adapted in three ways: they stop suggesting at ``--timeout``; a
+trial that gave no result (it failed, or the ledger had no place for it) is told to Optuna as
+FAIL, which TPE ignores, not as its stand-in objective; and a round's TPE starts from the
+results of the trials that earlier rounds (or commands) completed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray import tune
+from ray.tune.search import Searcher
+from ray.tune.search.basic_variant import BasicVariantGenerator
+from ray.tune.search.optuna import OptunaSearch
+from ray.tune.search.sample import Domain
+
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.search.backends._base import SearchSettings
+from hpsweep.search.backends._ray._trial import FAILED_KEY, METRIC, USER_ERROR_KEY
+from hpsweep.search.space import Categorical, Distribution, Float, Int
+from hpsweep.train.arguments import FIELD_NAMES
+
+# --- the space -----------------------------------------------------------------------------------
+
+
+def tune_domain(dist: Distribution) -> Any:
+    """A backend-neutral distribution as a Ray Tune search-space domain (same bounds, both included)."""
+    if isinstance(dist, Float):
+        if dist.log:
+            return tune.loguniform(dist.low, dist.high)
+        if dist.step is not None:  # Tune quantises to multiples of q; off-grid bounds need a choice
+            aligned = abs(dist.low / dist.step - round(dist.low / dist.step)) < 1e-9
+            return (
+                tune.quniform(dist.low, dist.high, dist.step)
+                if aligned
+                else tune.choice(dist.grid())
+            )
+        return tune.uniform(dist.low, dist.high)
+    if isinstance(dist, Int):
+        if dist.log:
+            return tune.lograndint(dist.low, dist.high + 1)
+        if dist.step == 1:
+            return tune.randint(dist.low, dist.high + 1)
+        return (
+            tune.qrandint(dist.low, dist.high, dist.step)
+            if dist.low % dist.step == 0
+            else tune.choice(dist.grid())
+        )
+    assert isinstance(dist, Categorical)
+    return tune.choice(list(dist.choices))
+
+
+def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
+    return {name: tune_domain(dist) for name, dist in space.items()}
+
+
+def native_space(hp_space: Callable[[Any], Any] | None) -> dict[str, Any] | None:
+    """What ``hp_space(None)`` returns when it is a dict of Ray Tune domains (Hugging Face calls a
+    Ray ``hp_space`` so), else None: the function is define-by-run."""
+    if hp_space is None:
+        return None
+    try:
+        space = hp_space(None)
+    except Exception:  # define-by-run: it calls trial.suggest_*
+        return None
+    if not isinstance(space, dict) or not any(_is_domain(v) for v in space.values()):
+        return None
+    return dict(space)
+
+
+def _is_domain(value: Any) -> bool:
+    return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
+
+
+# --- search algorithms and schedulers ---------------------------------------------------------
+
+
+def search_algorithm(
+    settings: SearchSettings,
+    sampler: str,
+    param_space: dict[str, Any],
+    define_by_run: bool,
+    records: list[runs.TrialRecord],
+    deadline: float | None,
+    *,
+    explicit_metric: bool = False,
+) -> Any:
+    """Tune's search algorithm for one round of new trials: random, or Optuna's TPE warm-started
+    from the complete ``records`` (seeded past them, so a later round draws other params).
+    ``explicit_metric``: the round's config names no metric (a user's scheduler has its own), so
+    TPE is told hpsweep's objective itself."""
+    s = settings
+    seed = None if s.seed is None else s.seed + len(records)
+    if sampler == "random":
+        # Tune ignores max_concurrent_trials for a variant generator it did not make itself.
+        return VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
+    import optuna
+
+    from hpsweep.search.backends._optuna import OptunaTrial
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    space: Callable[[Any], None] | None = None
+    points, rewards = None, None
+    if define_by_run:
+        hp_space, multi = s.hp_space, s.multi_objective
+        assert hp_space is not None
+
+        def sample(ot_trial: Any) -> None:  # sampled on the driver, replayed on the worker
+            hp_space(OptunaTrial(ot_trial, multi))
+
+        space = sample
+    elif not s.multi_objective:  # Optuna takes no earlier results for a define-by-run space
+        points, rewards = _warm_start(param_space, records)
+    metrics: Any = (
+        None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
+    )
+    modes: Any = None if not s.multi_objective else [mode(d) for d in s.directions]
+    if explicit_metric and not s.multi_objective:
+        metrics, modes = METRIC, mode(s.directions[0])
+    return _OptunaSearch(
+        deadline,
+        space=space,
+        metric=metrics,
+        mode=modes,
+        sampler=optuna.samplers.TPESampler(seed=seed),
+        points_to_evaluate=points,
+        evaluated_rewards=rewards,
+    )
+
+
+def scheduler(
+    settings: SearchSettings, name: str, param_space: dict[str, Any], budget: int | None
+) -> Any:
+    """Tune's trial scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
+    from ray.tune.schedulers import (
+        ASHAScheduler,
+        FIFOScheduler,
+        HyperBandScheduler,
+        PopulationBasedTraining,
+    )
+
+    opts = settings.options
+    eta = opts.get("reduction_factor", 3)
+    if name == "asha":
+        # Rungs at 1, eta, eta^2, ... evaluations; max_t beyond the budget so no trial is cut at its end.
+        return ASHAScheduler(
+            time_attr="training_iteration",
+            grace_period=1,
+            reduction_factor=eta,
+            max_t=(budget or 10_000) + 1,
+        )
+    if name == "hyperband":
+        return HyperBandScheduler(
+            time_attr="training_iteration", max_t=budget or 81, reduction_factor=eta
+        )
+    if name == "pbt":
+        # A checkpoint only loads into the same model: mutate training arguments, keep model params.
+        mutations = {
+            n: d for n, d in param_space.items() if n in FIELD_NAMES and isinstance(d, Domain)
+        }
+        if not mutations:
+            raise UserError(
+                "--scheduler pbt mutates TrainingArguments fields (learning_rate, weight_decay, ...) "
+                "and the space has none; add one to the space or use --scheduler asha"
+            )
+        # require_attrs: a trial the ledger had no place for ends without any result.
+        return PopulationBasedTraining(
+            time_attr="training_iteration",
+            require_attrs=False,
+            perturbation_interval=opts.get("perturbation_interval", 1),
+            hyperparam_mutations=mutations,
+        )
+    return FIFOScheduler()
+
+
+# Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
+# trials left ends when its running trials do, not after Tune started each of them for nothing.
+
+
+class VariantGenerator(BasicVariantGenerator):
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def next_trial(self) -> Any:
+        if self.deadline is not None and time.time() >= self.deadline:
+            self.set_finished()
+            return None
+        return super().next_trial()
+
+
+class _OptunaSearch(OptunaSearch):
+    """Tune's `OptunaSearch`, told a trial that gave no result (failed, or never ran: the ledger
+    had enough) as FAIL, which TPE ignores, rather than as a result (its stand-in objective)."""
+
+    def __init__(self, deadline: float | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deadline = deadline
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if self.deadline is not None and time.time() >= self.deadline:
+            return Searcher.FINISHED  # type: ignore[return-value]
+        return super().suggest(trial_id)
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        if _has_result(result, self.metric):
+            super().on_trial_result(trial_id, result)
+
+    def on_trial_complete(
+        self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False
+    ) -> None:
+        has = _has_result(result, self.metric)
+        super().on_trial_complete(trial_id, result if has else None, error=error or not has)
+
+
+def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -> bool:
+    metrics = metric if isinstance(metric, list) else [metric]
+    return (
+        bool(result)
+        and FAILED_KEY not in result
+        and USER_ERROR_KEY not in result
+        and all(m in result for m in metrics)
+    )  # type: ignore[operator]
+
+
+def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
+    """The complete trials' params and objectives, for Optuna's TPE to start from (those whose
+    params still lie in the space)."""
+    try:
+        dists = OptunaSearch.convert_search_space(param_space)
+    except (ValueError, TypeError):
+        return None, None
+    points, rewards = [], []
+    for r in records:
+        if (
+            r.state != "complete"
+            or not isinstance(r.objective, (int, float))
+            or not set(dists) <= set(r.params)
+        ):
+            continue
+        try:
+            if all(d._contains(d.to_internal_repr(r.params[n])) for n, d in dists.items()):
+                points.append({n: r.params[n] for n in dists})
+                rewards.append(float(r.objective))
+        except (ValueError, TypeError):
+            continue
+    return (points, rewards) if points else (None, None)
+
+
+def mode(direction: str) -> str:
+    return "max" if direction == "maximize" else "min"
+
+
+# --- transformers' keywords and Tune's own objects ------------------------------------------------
+
+#: ``tune.run`` keywords that shape only Tune's own bookkeeping and output, which hpsweep keeps
+#: itself: each run's checkpoints (``save_total_limit``), its progress display and trial folders,
+#: its failure records, and the objective it optimises (``compute_objective`` / ``direction``).
+TUNE_BOOKKEEPING = (
+    "keep_checkpoints_num",
+    "checkpoint_score_attr",
+    "checkpoint_freq",
+    "checkpoint_at_end",
+    "checkpoint_config",
+    "progress_reporter",
+    "log_to_file",
+    "verbose",
+    "trial_name_creator",
+    "trial_dirname_creator",
+    "raise_on_failed_trial",
+    "metric",
+    "mode",
+)
+
+
+def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """Hugging Face's Ray backend passes its keyword arguments on to ``tune.run``, and its users
+    write them (Ray's own Hugging Face example: ``keep_checkpoints_num``, ``checkpoint_score_attr``,
+    ``stop``, ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options
+    left for the backend, the hpsweep settings the others stand for (``search_alg``: sampler,
+    ``local_dir`` / ``storage_path``: storage, ``time_budget_s``: timeout,
+    ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed trial ends the sweep) and a note
+    naming the `TUNE_BOOKKEEPING` ones given, which change nothing here."""
+    import datetime
+
+    left, settings = dict(options), {}
+    for tune_name, ours in (
+        ("search_alg", "sampler"),
+        ("local_dir", "storage"),
+        ("storage_path", "storage"),
+        ("time_budget_s", "timeout"),
+        ("max_concurrent_trials", "n_jobs"),
+    ):
+        value = left.pop(tune_name, None)
+        if value is not None:
+            settings[ours] = value
+    if isinstance(settings.get("timeout"), datetime.timedelta):
+        settings["timeout"] = settings["timeout"].total_seconds()
+    if left.pop("fail_fast", False):
+        settings["max_failed_trials"] = 1
+    stop = left.pop("stop", None)
+    if stop:
+        raise UserError(
+            f"stop={stop!r}: hpsweep ends a trial where its TrainingArguments say (num_train_epochs, "
+            "max_steps) and stops bad ones with --scheduler; set max_steps in the space or args instead"
+        )
+    ignored = [name for name in TUNE_BOOKKEEPING if name in left]
+    for name in ignored:
+        del left[name]
+    note = (
+        (
+            f"{', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself (each run's "
+            "checkpoints by save_total_limit, its progress, the objective it was given); ignored"
+        )
+        if ignored
+        else None
+    )
+    return left, settings, note
+
+
+def own_metric(obj: Any) -> tuple[str, str] | None:
+    """The metric and mode a user's scheduler or search algorithm was made with (Ray's Hugging Face
+    example: ``PopulationBasedTraining(metric="eval_acc", mode="max")``), or None: it takes the
+    run's, hpsweep's objective."""
+    metric = getattr(obj, "metric", None)
+    # schedulers keep it unexposed
+    mode_ = getattr(obj, "mode", None) or getattr(obj, "_mode", None)
+    return (metric, mode_ or "max") if isinstance(metric, str) and metric else None
+
+
+def is_tune_object(what: str, value: Any) -> bool:
+    """Whether ``value`` is Tune's own scheduler (``what="scheduler"``) or search algorithm."""
+    from ray.tune.schedulers import TrialScheduler
+    from ray.tune.search import SearchAlgorithm
+
+    kinds: dict[str, Any] = {"scheduler": TrialScheduler, "sampler": (Searcher, SearchAlgorithm)}
+    return what in kinds and isinstance(value, kinds[what])
+
+
+def scheduler_kind(scheduler_object: Any) -> str:
+    """A user's scheduler by what it does: "pbt" for population-based training (it clones trials
+    from others' checkpoints), else its class name. A PBT that mutates more than training
+    arguments is refused, as ``--scheduler pbt`` never does it: a checkpoint loads only into the
+    model it came from."""
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    if not isinstance(scheduler_object, PopulationBasedTraining):
+        return type(scheduler_object).__name__
+    mutated = (
+        getattr(scheduler_object, "_hyperparam_mutations", None)
+        or getattr(scheduler_object, "_hyperparam_bounds", None)
+        or {}
+    )  # PB2's
+    others = sorted(set(mutated) - set(FIELD_NAMES))
+    if others:
+        raise UserError(
+            f"{type(scheduler_object).__name__} mutates {', '.join(others)}, which no TrainingArguments "
+            "field holds: a trial it restores from another's checkpoint keeps that trial's model; mutate "
+            "training arguments only (learning_rate, weight_decay, ...)"
+        )
+    return "pbt"
+
+
+def fresh_copy(obj: Any) -> Any:
+    """A round's copy of a user's scheduler or search algorithm: Tune's keep per-trial state."""
+    copied = copy.deepcopy(obj)
+    if hasattr(copied, "_require_attrs"):
+        # PBT: a trial the ledger had no place for ends without any result, as under --scheduler pbt
+        copied._require_attrs = False
+    return copied
+
+
+def worst_of(metric: tuple[str, str] | None) -> dict[str, float]:
+    """What a trial without a result reports for a user's object's own metric (PBT raises on a
+    result without it; every scheduler ranks it last)."""
+    if metric is None:
+        return {}
+    return {metric[0]: -math.inf if metric[1] == "max" else math.inf}

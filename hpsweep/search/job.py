@@ -1,0 +1,116 @@
+"""What a sweep hands every trial, and its plug-in point: `SweepJob` and `SweepCallback`.
+
+This module is a leaf of the search layer: integrations (MLflow, the Hub) subclass
+`SweepCallback` without importing the sweep that runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.search.backends._base import SearchSettings
+from hpsweep.search.objective import function_name
+from hpsweep.train.arguments import TrainingArguments
+from hpsweep.train.callbacks import TrainerCallback
+from hpsweep.train.metrics import metric_value
+from hpsweep.trial import Trial
+
+Objective = str | Callable[[Mapping[str, float]], Any]
+
+
+class SweepCallback:
+    """Hooks around a whole sweep (tracking, pushing). Instances travel to the processes and
+    nodes that run trials, so keep their state picklable; `on_sweep_begin` runs before that.
+
+    `trial_callbacks` adds `TrainerCallback`s to one trial's training run.
+    """
+
+    def on_sweep_begin(self, settings: SearchSettings) -> None: ...
+    def trial_callbacks(self, trial: Trial, record: runs.TrialRecord) -> list[TrainerCallback]:
+        return []
+
+    def on_trial_end(self, record: runs.TrialRecord) -> None: ...
+    def on_sweep_end(
+        self, best: Any, records: list[runs.TrialRecord], interrupted: bool
+    ) -> None: ...
+
+
+@dataclass
+class SweepJob:
+    """What every trial needs, independent of the backend; picklable for remote workers."""
+
+    model_init: Callable[..., Any]
+    args: TrainingArguments
+    train_dataset: Any
+    eval_dataset: Any
+    objective: Objective = "eval_loss"
+    directions: list[str] = field(default_factory=lambda: ["minimize"])
+    data_collator: Callable | None = None
+    compute_metrics: Callable | None = None
+    callbacks: list[TrainerCallback] = field(default_factory=list)
+    hp_space: Callable[[Trial], dict[str, Any]] | None = None
+    hp_name: Callable[[Trial], str] | None = None
+    sweep_callbacks: list[SweepCallback] = field(default_factory=list)
+    model_takes_trial: bool = True
+    #: The class that trains each trial (the user's `Trainer` subclass, if any) and the extra
+    #: keyword arguments it was given.
+    trainer_cls: Any = None
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.distributed`).
+    processes_per_trial: int = 1
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.args.output_dir)
+
+    @property
+    def objective_name(self) -> str:
+        return self.objective if isinstance(self.objective, str) else function_name(self.objective)
+
+    def objective_value(self, metrics: Mapping[str, float]) -> float | list[float]:
+        if isinstance(self.objective, str):
+            return metric_value(metrics, self.objective)
+        value = self.objective(metrics)
+        if len(self.directions) > 1:
+            if not isinstance(value, Sequence) or len(value) != len(self.directions):
+                raise UserError(
+                    f"objective returned {value!r} for {len(self.directions)} directions; "
+                    f"return a sequence of {len(self.directions)} floats"
+                )
+            return [float(v) for v in value]
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"objective returned {value!r}; return one float (or a list for several directions)"
+            ) from None
+
+
+#: transformers' ``report_to`` names that hpsweep tracks a sweep for, as sweep callbacks:
+#: name -> (module, class). Looked up by name, as `hpsweep.search.backends.BACKENDS` is, so the
+#: search layer never imports an integration.
+REPORT_TO: dict[str, tuple[str, str]] = {
+    "mlflow": ("hpsweep.integrations.mlflow", "MLflowTracker"),
+}
+
+
+def report_to_callbacks(report_to: Any, given: Sequence[SweepCallback]) -> list[SweepCallback]:
+    """The sweep callbacks ``report_to`` names (``"all"``: every one in `REPORT_TO`), each one
+    made with its defaults, as transformers' callbacks read their settings from the environment
+    (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``), unless one of its class is given."""
+    import importlib
+
+    named = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    wanted = list(REPORT_TO) if "all" in named else [n for n in named if n in REPORT_TO]
+    made: list[SweepCallback] = []
+    for name in wanted:
+        module, cls_name = REPORT_TO[name]
+        cls = getattr(importlib.import_module(module), cls_name)
+        if not any(isinstance(c, cls) for c in given):
+            made.append(cls())
+    return made

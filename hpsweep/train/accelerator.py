@@ -1,0 +1,80 @@
+"""The `accelerate.Accelerator` a run trains with: one per run, made from its arguments.
+
+accelerate keeps its state per process; a process that trains several runs one after another
+(a sweep's worker) resets it so that each run gets its own precision and accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from hpsweep.errors import UserError
+
+
+def make_accelerator(args: Any) -> Any:
+    """An ``Accelerator`` for ``args`` (``mixed_precision``, ``use_cpu``,
+    ``gradient_accumulation_steps``); a precision the device cannot run is one `UserError`."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
+
+    _cache_accelerate_package_probes()
+    if PartialState().num_processes == 1:
+        # Each run may use a different precision; accelerate keeps a process-wide state.
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    # torch_compile: accelerate compiles the model in prepare, as transformers has it do
+    dynamo = (
+        TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        if args.torch_compile
+        else None
+    )
+    try:
+        acc = Accelerator(
+            mixed_precision=args.mixed_precision,
+            cpu=args.use_cpu,
+            dynamo_plugin=dynamo,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, data_seed=args.data_seed
+            ),
+        )
+    except ValueError as exc:
+        raise UserError(
+            f"mixed_precision={args.mixed_precision!r}: {exc}; use 'no' or 'bf16' on CPU"
+        ) from None
+    if args.mixed_precision == "fp16" and acc.device.type == "cpu":
+        # accelerate accepts it and trains in fp32 without saying so: a run the user did not ask for.
+        raise UserError(
+            "mixed_precision='fp16' (fp16=True) needs a CUDA GPU and this run is on the CPU; "
+            "use bf16=True or no mixed precision on CPU"
+        )
+    return acc
+
+
+def bare_model(model: Any) -> Any:
+    """The user's module inside ``model``: without data-parallel wrappers or ``torch.compile``'s (its
+    weights' names, its forward's signature and its config are the module's own). What
+    ``Accelerator.unwrap_model(model, keep_torch_compile=False)`` does, without the accelerator."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
+
+
+def is_prepared_loader(loader: Any) -> bool:
+    """Whether ``loader`` came out of ``Accelerator.prepare`` (one process's shard of the data)."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    return isinstance(loader, (DataLoaderShard, DataLoaderDispatcher))
+
+
+def _cache_accelerate_package_probes() -> None:
+    """accelerate's optimizer asks `is_lomo_available()` twice per step, and each answer is a
+    filesystem search (importlib find_spec + package metadata): ~0.3 ms a step, a third of a small
+    model's step here. Installed packages do not change while we train, so ask once."""
+    import accelerate.optimizer as acc_optimizer
+
+    probe = acc_optimizer.is_lomo_available
+    if not hasattr(probe, "cache_info"):
+        acc_optimizer.is_lomo_available = functools.cache(probe)

@@ -1,0 +1,623 @@
+"""`Trainer`: a plain PyTorch training loop over `accelerate`, with evaluation, checkpoints and
+callbacks. The same loop runs on CPU, one or several GPUs and in mixed precision; the device and
+precision are configuration (``args.mixed_precision``, ``args.use_cpu``), not branches.
+
+    >>> trainer = Trainer(model_init=lambda: MyNet(), args=TrainingArguments(output_dir="out"),
+    ...                   train_dataset=train, eval_dataset=val)
+    >>> trainer.train()
+    >>> best = trainer.hyperparameter_search(space={"learning_rate": Float(1e-4, 1e-1, log=True)},
+    ...                                      n_trials=20)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.train import hf, optim
+from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
+from hpsweep.train.arguments import TrainingArguments
+from hpsweep.train.callbacks import (
+    CallbackHandler,
+    EvalPrediction,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    flow_on_epoch,
+    flow_on_step,
+)
+from hpsweep.train.checkpointing import Checkpointing
+from hpsweep.train.data import (
+    Collator,
+    batched,
+    check_trainable,
+    default_data_collator,
+    is_hf_dataset,
+    remove_unused_columns,
+    resolve_dataset,
+    signature_columns,
+    split_labels,
+    train_sampler,
+)
+from hpsweep.train.evaluation import Evaluation
+from hpsweep.train.hf import (
+    as_training_arguments,
+    default_collator,
+    train_finding_batch_size,
+    trainer_components,
+)
+from hpsweep.train.metrics import speed_metrics
+from hpsweep.train.model_init import (
+    call_model_init,
+    enable_activation_checkpointing,
+    model_init_arity,
+)
+from hpsweep.train.model_init import set_seed as _set_seed
+from hpsweep.train.predictions import (
+    call_model,
+    describe,
+    label_smoothed_loss,
+    loss_of,
+    smooths_labels,
+)
+from hpsweep.train.steps import step_ops
+
+
+class TrainOutput(NamedTuple):
+    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``, ``train_samples_per_second``,
+    ``train_steps_per_second``, ``train_loss``, ``epoch``, and the last (or best) evaluation's ``eval_*``."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class Trainer(Checkpointing, Evaluation):
+    """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
+
+    The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
+    works with the import changed (README: "Coming from Hugging Face").
+
+    Args:
+        model / model_init: the model to train, or ``() -> nn.Module`` / ``(trial) -> nn.Module``
+            building a fresh one for every run (with both, ``train`` uses ``model_init``).
+        args: our `TrainingArguments`, or a ``transformers.TrainingArguments`` (converted).
+        data_collator: list of samples -> batch; by default ``DataCollatorWithPadding`` when
+            ``processing_class`` is a tokenizer, else transformers' ``default_data_collator`` rule.
+        train_dataset / eval_dataset: torch or ``datasets`` Datasets, or 0-argument factories.
+        processing_class (or ``tokenizer``): saved beside the weights in every checkpoint.
+        compute_loss_func: ``(outputs, labels, num_items_in_batch=None) -> loss``.
+        compute_metrics: ``EvalPrediction -> dict[str, float]``; keys are prefixed ``eval_``.
+        callbacks: extra `TrainerCallback` instances.
+        optimizers: an ``(optimizer, scheduler)`` pair to use instead of building them from args.
+        preprocess_logits_for_metrics: ``(logits, labels) -> logits`` per evaluation batch.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: Any = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        model_init: Callable[..., torch.nn.Module] | None = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None = None,
+        callbacks: Sequence[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+        *,
+        tokenizer: Any = None,
+        optimizer_cls_and_kwargs: Any = None,
+    ) -> None:
+        if model is None and model_init is None:
+            raise UserError("Trainer needs a model or a model_init")
+        if model_init is not None:
+            model_init_arity(model_init)
+        self.args = (
+            as_training_arguments(args, "Trainer(args=...)")
+            if args is not None
+            else TrainingArguments()
+        )
+        self.model = model
+        self.model_init = model_init
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.compute_metrics = compute_metrics
+        self.optimizers = optimizers
+        self.optimizer, self.lr_scheduler = optimizers
+        # They ride with the callbacks, so that every trial's trainer gets them (hf.HFComponents).
+        self._components, self.user_callbacks = trainer_components(
+            list(callbacks or []),
+            processing_class=processing_class,
+            tokenizer=tokenizer,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            compute_loss_func=compute_loss_func,
+            model_init=model_init,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+        )
+        self.data_collator = (
+            data_collator or default_collator(self.processing_class) or default_data_collator
+        )
+        self._columns_removed: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
+        self.state = TrainerState()
+        self.control = TrainerControl()
+        self._handler = CallbackHandler(
+            self._default_callbacks() + self.user_callbacks, _context_of(weakref.ref(self))
+        )
+        self._handler.fire("on_init_end", self.args, self.state, self.control)
+
+    @property
+    def processing_class(self) -> Any:
+        return self._components.processing_class
+
+    tokenizer = processing_class  # transformers 4's name
+
+    @property
+    def preprocess_logits_for_metrics(self) -> Callable[[Any, Any], Any] | None:
+        return self._components.preprocess_logits_for_metrics
+
+    @property
+    def compute_loss_func(self) -> Callable[..., Any] | None:
+        return self._components.compute_loss_func
+
+    # transformers' conveniences (callbacks, optimizer helpers, reporting), bound as transformers
+    # binds its own (hpsweep/train/hf.py)
+    from hpsweep.train.hf import (
+        add_callback,
+        autocast_smart_context_manager,
+        callback_handler,
+        compute_loss_context_manager,
+        get_decay_parameter_names,
+        get_learning_rates,
+        get_num_trainable_parameters,
+        get_optimizer_cls_and_kwargs,
+        is_local_process_zero,
+        is_world_process_zero,
+        log_metrics,
+        metrics_format,
+        num_examples,
+        pop_callback,
+        remove_callback,
+        save_metrics,
+        save_state,
+    )
+
+    def _callback_context(self) -> dict[str, Any]:
+        """What every event hands the callbacks, as transformers' handler does."""
+        return {
+            "model": self.model,
+            "processing_class": self.processing_class,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "train_dataloader": getattr(self, "_train_dataloader", None),
+            "eval_dataloader": getattr(self, "_eval_dataloader", None),
+        }
+
+    def _default_callbacks(self) -> list[TrainerCallback]:
+        return [hf.NEFTune()] + ([] if self.args.disable_progress else [ProgressCallback()])
+
+    # --- setup -------------------------------------------------------------------------------------
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        assert self.model_init is not None
+        return call_model_init(self.model_init, trial)
+
+    def _dataloader(self, dataset: Any, batch_size: int, train: bool) -> DataLoader:
+        """Batches of what the model takes (``remove_unused_columns``); training's in its sampling order."""
+        dataset = given = resolve_dataset(dataset)
+        what = "train_dataset" if train else "eval_dataset"
+        columns = (
+            signature_columns(self.model, self.args.label_names)
+            if self.args.remove_unused_columns
+            else None
+        )
+        if columns is not None and self.compute_loss_func is not None:
+            columns.append("labels")  # compute_loss_func takes them, even when the forward does not
+        if is_hf_dataset(dataset):
+            key = (id(dataset), tuple(columns or ()))
+            # a datasets.Dataset without them, made once per dataset
+            if key not in self._columns_removed:
+                self._columns_removed[key] = (
+                    dataset,
+                    remove_unused_columns(dataset, columns, self.model, what),
+                )
+            dataset, columns = self._columns_removed[key][1], None
+        # the order of the data
+        seed = self.args.seed if self.args.data_seed is None else self.args.data_seed
+        sampler = train_sampler(given, self.args, seed, self.processing_class) if train else None
+        shuffled, args = train and sampler is None, self.args
+        return DataLoader(
+            batched(dataset, self.data_collator),
+            batch_size=batch_size,
+            shuffle=shuffled,
+            sampler=sampler,
+            collate_fn=Collator(self.data_collator, columns, what),
+            num_workers=args.dataloader_num_workers,
+            drop_last=args.dataloader_drop_last and train,
+            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+            generator=torch.Generator().manual_seed(seed) if shuffled else None,
+        )
+
+    # --- transformers' override points: what a subclass replaces -------------------------------------
+    # A sweep builds every trial's trainer from the class of the one it was given, so a subclass's
+    # methods run in every trial.
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training batches: ``train_dataset`` in ``per_device_train_batch_size`` batches, shuffled (by
+        ``data_seed`` or ``seed``) unless ``train_sampling_strategy`` says otherwise. An override may return
+        any ``DataLoader``, prepared by ``self.accelerator`` or not; `train` prepares it if it is not."""
+        if self.train_dataset is None:
+            raise UserError("no train_dataset; give the Trainer a train_dataset")
+        check_trainable(self.train_dataset, "train_dataset")
+        return self._dataloader(
+            self.train_dataset, self.args.per_device_train_batch_size, train=True
+        )
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Set ``self.optimizer`` and ``self.lr_scheduler`` for a run of ``num_training_steps``
+        optimizer steps; each is built only when the ``optimizers=`` pair did not give it. With
+        ``model_init``, where each run has a new model, this is where a custom optimizer goes."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """``self.optimizer``, built from ``args`` (``optim``, ``learning_rate``, ``weight_decay``,
+        ...) over ``self.model`` when it is None."""
+        if self.optimizer is None:
+            self.optimizer = optim.create_optimizer(self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """``self.lr_scheduler`` (``args.lr_scheduler_type`` with warmup), built when it is None."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.create_scheduler(
+                optimizer or self.optimizer, self.args, num_training_steps
+            )
+        return self.lr_scheduler
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """One batch forward and backward (``compute_loss``, then ``accelerator.backward``, with
+        the ``on_before_backward`` / ``on_after_backward`` events around it); returns the loss,
+        detached. The loop clips, steps the optimizer and zeroes the gradients afterwards."""
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self._handler.fire("on_before_backward", self.args, self.state, self.control)
+        self._step_ops.backward(loss)
+        self._handler.fire("on_after_backward", self.args, self.state, self.control)
+        return loss.detach()
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None
+    ) -> TrainOutput:
+        """Train from scratch, or from a checkpoint (``True``: the run's latest one).
+
+        With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
+        Checkpoints are written in the background; every one is on disk when this returns.
+        """
+        if self.args.auto_find_batch_size and not self.__dict__.get("_finding_batch_size"):
+            return train_finding_batch_size(self, resume_from_checkpoint, trial)
+        args, started = self.args, time.time()
+        _set_seed(args.seed, args.full_determinism)
+        if self.model_init is not None:
+            self.model = self.call_model_init(trial)
+        enable_activation_checkpointing(self.model, args)
+        checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
+
+        self.accelerator = acc = make_accelerator(self.args)
+        self._eval_loaders: dict[Any, Any] = {}  # prepared loaders belong to one accelerator
+        train_dl = self.get_train_dataloader()
+        # an override of get_train_dataloader may prepare it itself
+        prepared = is_prepared_loader(train_dl)
+        if len(train_dl) == 0:
+            raise UserError(
+                "train_dataset is empty (or smaller than one batch with dataloader_drop_last)"
+            )
+        # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
+        # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
+        batches = len(train_dl) if prepared else math.ceil(len(train_dl) / acc.num_processes)
+        steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
+        max_steps = (
+            args.max_steps
+            if args.max_steps > 0
+            else math.ceil(args.num_train_epochs * steps_per_epoch)
+        )
+        # the user's pair, or None: a run's own from here
+        self.optimizer, self.lr_scheduler = self.optimizers
+        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+        if prepared:
+            self.model_wrapped, self.optimizer, self.lr_scheduler = acc.prepare(
+                self.model, self.optimizer, self.lr_scheduler
+            )
+        else:
+            self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
+                self.model, self.optimizer, train_dl, self.lr_scheduler
+            )
+        model = self.model_wrapped
+        self._train_dataloader = train_dl
+        # max_steps counts optimizer steps: one schedule step each, not one per process
+        if acc.num_processes > 1:
+            self.lr_scheduler.split_batches = True
+        self._step_ops = ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
+        self.accelerate_wrappers_skipped = ops.plain
+
+        self.state = state = TrainerState(
+            max_steps=max_steps,
+            steps_per_epoch=steps_per_epoch,
+            num_train_epochs=math.ceil(max_steps / steps_per_epoch),
+            trial_number=getattr(trial, "number", None),
+            trial_params=dict(trial.params) if trial is not None else None,
+            logging_steps=args.logging_steps,
+            eval_steps=args.eval_steps,
+            save_steps=args.save_steps,
+            train_batch_size=args.per_device_train_batch_size,
+            is_local_process_zero=acc.is_local_main_process,
+            is_world_process_zero=acc.is_main_process,
+            is_hyper_param_search=trial is not None,
+            trial_name=Path(args.output_dir).name if trial is not None else None,
+        )
+        rng_state = self._load_checkpoint(checkpoint) if checkpoint is not None else None
+        self.control = control = TrainerControl()
+        self._checkpoint_writer = runs.CheckpointWriter()
+        handler = self._handler
+        handler.fire("on_train_begin", args, state, control)
+        if args.eval_on_start:  # transformers' check of the evaluation before the first step
+            self.evaluate()
+
+        first_step = state.global_step
+        epochs_done, skip_steps = divmod(first_step, steps_per_epoch)
+        batches_per_epoch = len(train_dl)
+        accumulation = args.gradient_accumulation_steps
+        running_loss = torch.zeros((), device=acc.device)
+        logged_steps = 0
+        self._loss_total = (
+            0.0,
+            0,
+        )  # the logged intervals' summed loss and their micro-steps: train_loss
+        self._grad_norm: torch.Tensor | None = None  # the last optimizer step's (when clipping)
+        try:
+            for epoch in range(epochs_done, state.num_train_epochs):
+                if hasattr(train_dl, "set_epoch"):
+                    train_dl.set_epoch(epoch)
+                skipped = skip_steps * accumulation if epoch == epochs_done else 0
+                if skipped:  # resuming mid-epoch: the same order, without its first batches
+                    batches = iter(acc.skip_first_batches(train_dl, skipped))
+                else:
+                    batches = ops.batches(train_dl)
+                # after the iterator drew its seed, as in the original run
+                if rng_state is not None:
+                    runs.set_rng_state(rng_state)
+                    rng_state = None
+                handler.fire("on_epoch_begin", args, state, control)
+                for micro_step, batch in enumerate(batches):
+                    if micro_step % accumulation == 0:
+                        handler.fire("on_step_begin", args, state, control)
+                    with ops.accumulate(model):
+                        loss = self.training_step(model, batch)
+                        synced = ops.synced()
+                        if synced:
+                            # the norm before clipping, logged as transformers does
+                            if args.max_grad_norm > 0:
+                                self._grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
+                            handler.fire("on_pre_optimizer_step", args, state, control)
+                        ops.optimizer_step()  # accelerate skips it while accumulating
+                        ops.scheduler_step()
+                        if synced:
+                            handler.fire("on_optimizer_step", args, state, control)
+                            # the model's zero_grad: accelerate's optimizer inspects a signature per call
+                            model.zero_grad(set_to_none=True)
+                    running_loss += loss.detach()
+                    logged_steps += 1
+                    if not synced:
+                        handler.fire("on_substep_end", args, state, control)
+                        continue
+                    state.global_step += 1
+                    state.epoch = epoch + (skipped + micro_step + 1) / batches_per_epoch
+                    flow_on_step(args, state, control)
+                    handler.fire("on_step_end", args, state, control)
+                    if control.should_log or control.should_evaluate or control.should_save:
+                        running_loss, logged_steps = self._log_save_evaluate(
+                            running_loss, logged_steps
+                        )
+                    if control.should_training_stop or control.should_epoch_stop:
+                        break
+                control.should_epoch_stop = False
+                state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
+                flow_on_epoch(args, state, control)
+                handler.fire("on_epoch_end", args, state, control)
+                running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
+                if control.should_training_stop:
+                    break
+            self._checkpoint_writer.wait()
+        except BaseException as exc:
+            try:  # an interrupted run keeps the checkpoint it was writing: a resume starts from it
+                self._checkpoint_writer.wait()
+            except (
+                Exception
+            ) as write_error:  # reported with what stopped the run, not instead of it
+                exc.add_note(
+                    f"writing a checkpoint failed too: {type(write_error).__name__}: {write_error}"
+                )
+            handler.fire("on_exception", args, state, control, exception=exc)
+            raise
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            runs.load_weights(bare_model(model), Path(state.best_model_checkpoint))
+        self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
+        # this run's steps: a resume's, since its checkpoint; none: NaN
+        total, micro_steps = self._loss_total
+        loss = total / micro_steps if micro_steps else float("nan")
+        steps = state.global_step - first_step
+        summary = {
+            **speed_metrics(
+                "train",
+                started,
+                steps=steps,
+                samples=steps * args.per_device_train_batch_size * accumulation * acc.num_processes,
+            ),
+            "train_loss": loss,
+        }
+        self.log(summary)  # as transformers ends: its on_log, then on_train_end
+        handler.fire("on_train_end", args, state, control)
+        return TrainOutput(
+            state.global_step, loss, {**summary, "epoch": state.epoch, **self.last_eval_metrics()}
+        )
+
+    def _add_to_loss_total(self, running_loss: torch.Tensor, micro_steps: int) -> float:
+        """Add an interval's summed loss (data-parallel: the processes' mean) to the run's; returns it."""
+        interval = float(self.accelerator.reduce(running_loss, "mean")) if micro_steps else 0.0
+        self._loss_total = (self._loss_total[0] + interval, self._loss_total[1] + micro_steps)
+        return interval
+
+    def _log_save_evaluate(
+        self, running_loss: torch.Tensor, logged_steps: int
+    ) -> tuple[torch.Tensor, int]:
+        control = self.control
+        # data-parallel: the processes' mean, reduced only here
+        if control.should_log and logged_steps:
+            loss = round(self._add_to_loss_total(running_loss, logged_steps) / logged_steps, 6)
+            grad_norm = {} if self._grad_norm is None else {"grad_norm": float(self._grad_norm)}
+            logs = {"loss": loss, **grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+            self.log(logs)
+            running_loss, logged_steps = torch.zeros_like(running_loss), 0
+        control.should_log = False
+        if control.should_evaluate:
+            metrics = self.evaluate()
+            self._track_best(metrics)
+        control.should_evaluate = False
+        if control.should_save:
+            self.save_checkpoint(wait=False)
+        control.should_save = False
+        return running_loss, logged_steps
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Hand ``logs`` with the epoch to the ``on_log`` callbacks and append them, with the step too,
+        to ``state.log_history``, as transformers does. ``start_time`` is transformers' parameter, for
+        the input-token throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does
+        not count."""
+        logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
+
+    def _track_best(self, metrics: Mapping[str, float]) -> None:
+        args = self.args
+        # transformers' rule: load_best_model_at_end without a metric keeps the lowest eval_loss
+        metric = args.metric_for_best_model or (
+            "eval_loss" if args.load_best_model_at_end else None
+        )
+        if metric is None:
+            return
+        from hpsweep.train.metrics import metric_value
+
+        value = metric_value(metrics, metric, "metric_for_best_model")
+        # the best is a checkpoint: only evaluations that get one count
+        if not self.control.should_save:
+            return
+        greater = bool(args.greater_is_better) and args.metric_for_best_model is not None
+        if runs.is_better(value, self.state.best_metric, "maximize" if greater else "minimize"):
+            self.state.best_metric = value
+            self.state.best_model_checkpoint = str(self._checkpoint_dir())
+            self.state.best_global_step = self.state.global_step
+
+    # --- the loss -----------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The loss of one batch, as transformers reads it: the model's output itself (a tensor), its
+        ``loss`` (a dict or ``ModelOutput``) or its first element (a tuple); or
+        ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` with the labels taken out of
+        the batch first, or with ``label_smoothing_factor`` transformers' label-smoothed loss. With
+        ``return_outputs``, ``(loss, outputs)``."""
+        labels, smoothing = None, smooths_labels(self.args, model)
+        if self.compute_loss_func is not None or smoothing:
+            inputs, labels = split_labels(inputs)
+        outputs = call_model(model, inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif smoothing and labels is not None:
+            loss = label_smoothed_loss(
+                model, outputs, labels, self.args.label_smoothing_factor, num_items_in_batch
+            )
+        else:
+            loss = loss_of(outputs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UserError(
+                f"the model returned {describe(outputs)} without a scalar loss; put the labels in the batch "
+                "(a 'labels' column, or name them with label_names), return the loss first, or pass "
+                "compute_loss_func="
+            )
+        loss = loss.reshape(())
+        return (loss, outputs) if return_outputs else loss
+
+    # --- search --------------------------------------------------------------------------------------
+
+    def hyperparameter_search(
+        self,
+        space: Mapping[str, Any] | None = None,
+        n_trials: int | None = 20,
+        direction: str | Sequence[str] = "minimize",
+        objective: str | Callable[[Mapping[str, float]], Any] | None = None,
+        backend: str | None = "optuna",
+        hp_name: Callable[[Any], str] | None = None,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[Mapping[str, float]], Any] | None = None,
+        **backend_options: Any,
+    ) -> Any:
+        """Search ``space`` (or define-by-run ``hp_space``) with ``backend``; returns the `BestRun`
+        (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
+        ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
+        ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``.
+
+        transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
+        Optuna), and so does its first positional parameter, ``hp_space``."""
+        from hpsweep.search.sweep import search
+
+        if callable(space) and hp_space is None:  # transformers' first parameter is hp_space
+            space, hp_space = None, space
+        if self.model_init is None:
+            raise UserError(
+                "hyperparameter_search needs Trainer(model_init=...) to build a fresh model per trial"
+            )
+        return search(
+            self,
+            space=space,
+            hp_space=hp_space,
+            n_trials=n_trials,
+            direction=direction,
+            objective=objective if objective is not None else compute_objective,
+            backend=backend or "optuna",
+            hp_name=hp_name,
+            **backend_options,
+        )
+
+
+def _context_of(trainer: weakref.ref) -> Callable[[], dict[str, Any]]:
+    """The trainer's `_callback_context`, through a weak reference: its callback handler must not
+    keep it (and its model) alive in a cycle."""
+
+    def context() -> dict[str, Any]:
+        owner = trainer()
+        return owner._callback_context() if owner is not None else {}
+
+    return context

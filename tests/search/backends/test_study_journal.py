@@ -1,0 +1,64 @@
+"""The sweep folder's Optuna study is Optuna's journal file: it must survive what stops a sweep."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from support import hpsweep_cli, load_sweep_study
+
+from hpsweep import runs
+from hpsweep.search.backends._journal import KernelLock
+
+
+def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(
+    tmp_path: Path, space_file: Path
+) -> None:
+    hpsweep_cli("run", space_file, "--n-trials", "2", "--pruner", "none", check=True)
+    journal = tmp_path / "out" / "study.journal"
+    whole = journal.read_bytes()
+    with open(journal, "ab") as f:  # what a full disk or kill -9 in the middle of an append leaves
+        f.write(b'{"op_code":4,"worker_id":"x","trial_id":1,"par')
+    hpsweep_cli("run", space_file, "--n-trials", "4", "--pruner", "none", check=True)
+    assert journal.read_bytes().startswith(whole) and journal.read_bytes().endswith(b"\n")
+    # Optuna's own reader: it refuses lines after a torn one
+    study = load_sweep_study(tmp_path / "out")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
+    assert [r.number for r in runs.read_trials(tmp_path / "out")] == [0, 1, 2, 3]
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from hpsweep.search.backends._journal import KernelLock
+KernelLock(Path(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_journal_lock_dies_with_a_process_killed_while_holding_it(tmp_path: Path) -> None:
+    journal = tmp_path / "study.journal"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(journal)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        mine = KernelLock(journal)
+        taken = threading.Event()
+        waiter = threading.Thread(target=lambda: (mine.acquire(), taken.set()), daemon=True)
+        waiter.start()
+        assert not taken.wait(0.5)  # a real lock: the holder keeps others out
+        os.kill(holder.pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert taken.wait(10)
+        assert time.monotonic() - started < 5  # not Optuna's symlink lock's 30 s grace period
+        mine.release()
+    finally:
+        holder.kill()
+        holder.wait()
