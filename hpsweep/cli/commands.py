@@ -25,58 +25,77 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpsweep", description="Hyperparameter search over PyTorch training.")
     parser.add_argument("--version", action="version", version=f"hpsweep {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run(sub)
+    _add_show(sub)
+    _add_report(sub)
+    _add_push(sub)
+    return parser
 
+
+def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="run the sweep a space file describes")
     run.add_argument(
         "space_file", help="a .py file defining model_init, args, space, train_dataset, ..."
     )
-    run.add_argument("--backend", default="optuna", help="optuna (default), ray or wandb")
-    run.add_argument(
+    _add_search_options(run.add_argument_group("the search"))
+    _add_device_options(run.add_argument_group("where trials run"))
+    _add_arguments_options(run.add_argument_group("training arguments"))
+    _add_tracking_options(run.add_argument_group("tracking and publishing"))
+    run.set_defaults(func=cmd_run)
+
+
+def _add_search_options(group: Any) -> None:
+    group.add_argument("--backend", default="optuna", help="optuna (default), ray or wandb")
+    group.add_argument(
         "--n-trials",
         type=int,
         default=20,
         help="trials the study should hold when done (default 20)",
     )
-    run.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
-    run.add_argument(
+    group.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    group.add_argument(
         "--output-dir", help="where runs, best/ and the study go (default: args.output_dir)"
     )
-    run.add_argument("--study-name", help="study name (default: the space file's name)")
-    run.add_argument(
+    group.add_argument("--study-name", help="study name (default: the space file's name)")
+    group.add_argument(
         "--storage",
         help="optuna: a journal file's path or a storage URL such as sqlite:///study.db "
         "(default: OUTPUT_DIR/study.journal); "
         "ray: where Tune keeps its experiment (a path or s3://...)",
     )
-    run.add_argument(
+    group.add_argument(
         "--resume",
         action="store_true",
         help="accepted for compatibility: the same command always continues its sweep",
     )
-    run.add_argument(
+    group.add_argument(
         "--sampler", help="optuna: tpe, random, cmaes, gp, grid, nsga2; wandb: random, grid, bayes"
     )
-    run.add_argument(
+    group.add_argument(
         "--pruner", help="optuna: median, hyperband, sha, none; wandb: hyperband, none"
     )
-    run.add_argument("--scheduler", help="ray: fifo, asha, hyperband, pbt")
-    run.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
-    run.add_argument(
+    group.add_argument("--scheduler", help="ray: fifo, asha, hyperband, pbt")
+    group.add_argument("--seed", type=int, help="seed for the sampler")
+    group.add_argument(
         "--max-failed-trials",
         type=int,
         default=5,
         help="end the sweep after this many failed trials in one run (default 5)",
     )
-    run.add_argument(
+
+
+def _add_device_options(group: Any) -> None:
+    group.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
+    group.add_argument(
         "--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)"
     )
-    run.add_argument(
+    group.add_argument(
         "--resources-per-trial",
         type=_resources,
         help="what each trial gets, on every backend: cpu=N threads, gpu=F GPUs (0.5: two trials "
         "share one; default: 1 per process where CUDA sees a GPU, else 0)",
     )
-    run.add_argument(
+    group.add_argument(
         "--processes-per-trial",
         type=int,
         default=1,
@@ -84,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train each trial data-parallel over N processes (NCCL on GPUs, gloo on CPU); "
         "the effective batch is per_device_train_batch_size x N",
     )
-    run.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
-    run.add_argument(
+
+
+def _add_arguments_options(group: Any) -> None:
+    group.add_argument("--config", help="a YAML or JSON file of TrainingArguments")
+    group.add_argument(
         "--set",
         dest="set_args",
         action="append",
@@ -93,39 +115,48 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override one TrainingArguments field (repeatable)",
     )
-    run.add_argument("--seed", type=int, help="seed for the sampler")
-    run.add_argument(
+
+
+def _add_tracking_options(group: Any) -> None:
+    group.add_argument(
         "--mlflow",
         nargs="?",
         const="",
         metavar="TRACKING_URI",
         help="track the sweep in MLflow (default URI: $MLFLOW_TRACKING_URI, else MLflow's local default)",
     )
-    run.add_argument(
+    group.add_argument(
         "--mlflow-fatal", action="store_true", help="stop the sweep when MLflow tracking fails"
     )
-    run.add_argument(
+    group.add_argument(
         "--mlflow-log-best",
         action="store_true",
         help="upload best/ as an artifact of the MLflow run",
     )
-    run.add_argument(
+    group.add_argument(
         "--push-to-hub", metavar="REPO_ID", help="push the best run to this Hugging Face Hub repo"
     )
-    run.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
-    run.add_argument("--hub-revision", metavar="BRANCH", help="push to this branch of the Hub repo")
-    run.set_defaults(func=cmd_run)
+    group.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
+    group.add_argument(
+        "--hub-revision", metavar="BRANCH", help="push to this branch of the Hub repo"
+    )
 
+
+def _add_show(sub: Any) -> None:
     show = sub.add_parser("show", help="the trials of a sweep as a table")
     show.add_argument("dir", help="the sweep's output folder")
     show.add_argument("--json", action="store_true", help="print the trials as JSON")
     show.set_defaults(func=cmd_show)
 
+
+def _add_report(sub: Any) -> None:
     report = sub.add_parser("report", help="an HTML page with plots of the sweep (DIR/report.html)")
     report.add_argument("dir", help="the sweep's output folder")
     report.add_argument("--output", help="where to write the page (default: DIR/report.html)")
     report.set_defaults(func=cmd_report)
 
+
+def _add_push(sub: Any) -> None:
     push = sub.add_parser(
         "push", help="push the best run, with a model card, to the Hugging Face Hub"
     )
@@ -140,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--revision", metavar="BRANCH", help="push to this branch (created if needed)"
     )
     push.set_defaults(func=cmd_push)
-    return parser
 
 
 def _resources(text: str) -> dict[str, float]:

@@ -126,27 +126,9 @@ def plan(
     >>> plan(n_jobs=4, resources={"gpu": 0.5}, gpus=["0", "1"], cores=8).gpus
     (('0',), ('1',), ('0',), ('1',))
     """
-    given = dict(resources or {})
-    unknown = sorted(set(given) - set(RESOURCE_NAMES))
-    if unknown:
-        raise UserError(
-            f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
-        )
-    for name, value in given.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise UserError(f"--resources-per-trial {name}={value}: give a number >= 0")
+    given = _checked_resources(resources)
     ppt = processes_per_trial
-    gpu = float(given.get("gpu", ppt if gpus else 0))
-    if gpu > 1 and gpu != int(gpu):
-        raise UserError(
-            f"--resources-per-trial gpu={gpu:g}: a trial takes a share of one GPU (gpu=0.5) or whole "
-            f"GPUs (gpu=1, gpu=2); give gpu={math.floor(gpu)} or gpu={math.ceil(gpu)}"
-        )
-    if ppt > 1 and gpu > 0 and gpu != ppt:
-        raise UserError(
-            f"--processes-per-trial {ppt} runs each process on a GPU of its own, but "
-            f"--resources-per-trial gpu={gpu:g}; give gpu={ppt} (or gpu=0 to train on CPU processes)"
-        )
+    gpu = _gpu_per_trial(given, ppt, has_gpus=bool(gpus))
     resolved = {**given, "gpu": gpu}
     cpu = given.get("cpu")
     # without gpu=, the cluster's GPUs (not this machine's) decide: see the Ray backend
@@ -158,33 +140,14 @@ def plan(
             processes_per_trial=ppt,
             resources=resolved if "gpu" in given else given,
         )
-
-    slots, note, per_slot = n_jobs, None, None
+    slots, per_slot, note = n_jobs, None, None
     if gpu > 0:
-        have = len(gpus)
-        if have == 0:
-            why = "" if "gpu" in given else f" (--processes-per-trial {ppt})"
-            raise UserError(
-                f"--resources-per-trial gpu={gpu:g}{why}: CUDA sees no GPU on this machine; "
-                "give gpu=0 to train on the CPU, or run where GPUs are"
-            )
-        if gpu > have:
-            why = f" (one per process of --processes-per-trial {ppt})" if ppt > 1 else ""
-            raise UserError(
-                f"each trial needs {gpu:g} GPUs{why}, but this machine has {have} "
-                f"({VISIBLE_ENV}={','.join(gpus)}); give --resources-per-trial gpu={have} or less"
-            )
-        per_slot = _gpu_slots(gpus, gpu)
-        if len(per_slot) < n_jobs:
-            slots = len(per_slot)
-            note = (
-                f"--n-jobs {n_jobs} with gpu={gpu:g} per trial on {have} GPU{'s' if have > 1 else ''}: "
-                f"{slots} trial{'s run' if slots > 1 else ' runs'} at once, the others wait their turn"
-            )
-        per_slot = per_slot[:slots]
+        per_slot, note = _gpu_placement(gpus, gpu, n_jobs, ppt, asked="gpu" in given)
+        slots = len(per_slot)
     elif gpus:
         per_slot = [()]  # gpu=0 on a machine with GPUs: hide them, as Ray does
-    # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not more threads.
+    # cpu=N beyond the cores is a reservation (Ray starts a local cluster with that many), not
+    # more threads.
     threads_per_trial = (
         max(1, min(math.floor(cpu), cores)) if cpu is not None else max(1, cores // slots)
     )
@@ -197,6 +160,65 @@ def plan(
         note=note,
         pinned=cpu is not None or bool(os.environ.get(THREADS_ENV)),
     )
+
+
+def _checked_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
+    """``--resources-per-trial`` with known names and numbers >= 0, or one `UserError` line."""
+    given = dict(resources or {})
+    unknown = sorted(set(given) - set(RESOURCE_NAMES))
+    if unknown:
+        raise UserError(
+            f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
+        )
+    for name, value in given.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise UserError(f"--resources-per-trial {name}={value}: give a number >= 0")
+    return given
+
+
+def _gpu_per_trial(given: Mapping[str, float], ppt: int, *, has_gpus: bool) -> float:
+    """The GPUs each trial takes: as given, else one per process where there are GPUs."""
+    gpu = float(given.get("gpu", ppt if has_gpus else 0))
+    if gpu > 1 and gpu != int(gpu):
+        raise UserError(
+            f"--resources-per-trial gpu={gpu:g}: a trial takes a share of one GPU (gpu=0.5) or whole "
+            f"GPUs (gpu=1, gpu=2); give gpu={math.floor(gpu)} or gpu={math.ceil(gpu)}"
+        )
+    if ppt > 1 and gpu > 0 and gpu != ppt:
+        raise UserError(
+            f"--processes-per-trial {ppt} runs each process on a GPU of its own, but "
+            f"--resources-per-trial gpu={gpu:g}; give gpu={ppt} (or gpu=0 to train on CPU processes)"
+        )
+    return gpu
+
+
+def _gpu_placement(
+    gpus: list[str], gpu: float, n_jobs: int, ppt: int, *, asked: bool
+) -> tuple[list[tuple[str, ...]], str | None]:
+    """The GPUs of each slot (as many slots as fit, at most ``n_jobs``), and a note when fewer
+    trials than ``--n-jobs`` fit at once; a trial that cannot fit at all is refused."""
+    have = len(gpus)
+    if have == 0:
+        why = "" if asked else f" (--processes-per-trial {ppt})"
+        raise UserError(
+            f"--resources-per-trial gpu={gpu:g}{why}: CUDA sees no GPU on this machine; "
+            "give gpu=0 to train on the CPU, or run where GPUs are"
+        )
+    if gpu > have:
+        why = f" (one per process of --processes-per-trial {ppt})" if ppt > 1 else ""
+        raise UserError(
+            f"each trial needs {gpu:g} GPUs{why}, but this machine has {have} "
+            f"({VISIBLE_ENV}={','.join(gpus)}); give --resources-per-trial gpu={have} or less"
+        )
+    per_slot = _gpu_slots(gpus, gpu)
+    if len(per_slot) >= n_jobs:
+        return per_slot[:n_jobs], None
+    slots = len(per_slot)
+    note = (
+        f"--n-jobs {n_jobs} with gpu={gpu:g} per trial on {have} GPU{'s' if have > 1 else ''}: "
+        f"{slots} trial{'s run' if slots > 1 else ' runs'} at once, the others wait their turn"
+    )
+    return per_slot, note
 
 
 def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:

@@ -232,27 +232,39 @@ def model_card(
     ]
     if isinstance(front, list) and len(front) > 1:
         body += [f"This is one of {len(front)} runs on the Pareto front.", ""]
-    body += ["## Training log", "", training_log(folder), "", "## Use", ""]
+    body += [
+        "## Training log",
+        "",
+        training_log(folder),
+        "",
+        "## Use",
+        "",
+        *_usage(repo_id, is_transformers),
+    ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
+    return str(card)
+
+
+def _usage(repo_id: str, is_transformers: bool) -> list[str]:
+    """The card's code block that loads the model: transformers' ``from_pretrained`` for a
+    transformers model, safetensors into the user's own architecture otherwise."""
     if is_transformers:
-        body += [
+        return [
             "```python",
             "from transformers import AutoModel",
             "",
             f"model = AutoModel.from_pretrained({repo_id!r})",
             "```",
         ]
-    else:
-        body += [
-            "```python",
-            "from huggingface_hub import hf_hub_download",
-            "from safetensors.torch import load_model",
-            "",
-            "model = MyModel(...)  # the architecture of the space file's model_init",
-            f"load_model(model, hf_hub_download({repo_id!r}, 'model.safetensors'))",
-            "```",
-        ]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
-    return str(card)
+    return [
+        "```python",
+        "from huggingface_hub import hf_hub_download",
+        "from safetensors.torch import load_model",
+        "",
+        "model = MyModel(...)  # the architecture of the space file's model_init",
+        f"load_model(model, hf_hub_download({repo_id!r}, 'model.safetensors'))",
+        "```",
+    ]
 
 
 def top_trials(records: Sequence[runs.TrialRecord], directions: Sequence[str], n: int = 10) -> str:

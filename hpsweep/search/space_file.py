@@ -39,7 +39,7 @@ OPTIONAL = (
 
 @dataclass
 class SpaceFile:
-    """The names a space file defines (see DESIGN.md, section 1)."""
+    """The names a space file defines (see the README's "A space file")."""
 
     path: Path
     module: Any

@@ -61,74 +61,16 @@ class TrialRunner:
         if job.hp_space is not None:
             trial.params.update(_call_hp_space(job.hp_space, trial))
         # Before naming the folder: model_init(trial) may suggest the params hp_name reads.
-        built: _Prebuilt | BaseException
-        try:
-            built = _Prebuilt.build(job.model_init, trial, job.args.seed)
-        except ImportError as exc:
-            raise _missing_package(trial, exc) from None
-        except UserError:
-            raise
-        except Exception as exc:  # the trial fails (recorded below, in its default folder)
-            built = exc
-        if again is not None:
-            run_dir = Path(again.run_dir)
-            resume_from = _resume_point(run_dir, str(latest) if latest is not None else None)
-        else:
-            name = (
-                _call_hp_name(job.hp_name, trial)
-                if job.hp_name and isinstance(built, _Prebuilt)
-                else None
-            )
-            run_dir = runs.run_dir_for(job.output_dir, trial.id, name)
-            # a backend's own (Ray)
-            resume_from = _resume_point(run_dir, trial.user_attrs.get("resume_from"))
+        built = self._build(trial)
+        run_dir, resume_from = self._place(trial, built, again, latest)
         fresh = not run_dir.exists()
-        record = runs.TrialRecord(
-            id=trial.id,
-            number=trial.number,
-            backend=self.backend,
-            params=dict(trial.params),
-            objective_name=job.objective_name,
-            directions=list(job.directions),
-            run_dir=str(run_dir),
-            resumed_from=resume_from,
-            attempts=again.attempts + 1 if again is not None else 1,
-            user_attrs={
-                **_plain_attrs(trial.user_attrs),
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                **devices.trial_devices(job.processes_per_trial),
-            },
-        )
+        record = self._new_record(trial, run_dir, resume_from, again)
         try:
-            args = _trial_args(job, trial.params, run_dir)
-            record.save()
-            if not isinstance(built, _Prebuilt):
-                raise built
-            extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
-            if job.processes_per_trial > 1:
-                from hpsweep.devices.data_parallel import train_data_parallel
-
-                load_datasets(job)  # once, here: the ranks inherit what the factories loaded
-                outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
-            else:
-                outcome = self.train_here(trial, built, args, extra, resume_from)
-            # define-by-run model_init(trial) may have added some
-            record.params = dict(trial.params)
-            record.history = outcome.history
-            if outcome.pruned:
-                record.finish("pruned")
-                raise TrialPruned(
-                    f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}"
-                )
-            record.metrics, record.checkpoint = outcome.metrics, outcome.checkpoint
-            record.finish("complete", objective=job.objective_value(outcome.metrics))
+            self._train_and_record(trial, built, record, run_dir, resume_from)
         except (TrialPruned, TrialFailed):
             raise
-        except (
-            UserError,
-            ImportError,
-        ) as exc:  # no params can fix these: the sweep stops, nothing is recorded
+        except (UserError, ImportError) as exc:
+            # no params can fix these: the sweep stops, nothing is recorded
             if fresh:
                 shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, ImportError):
@@ -153,6 +95,100 @@ class TrialRunner:
                     sc.on_trial_end(record)
         runs.promote_if_best(job.output_dir, record)
         return record.objective  # type: ignore[return-value]
+
+    def _build(self, trial: Trial) -> _Prebuilt | BaseException:
+        """The trial's model, or the exception ``model_init`` raised (the trial then fails, and is
+        recorded in its default folder); a missing package or a user error stops the sweep."""
+        try:
+            return _Prebuilt.build(self.job.model_init, trial, self.job.args.seed)
+        except ImportError as exc:
+            raise _missing_package(trial, exc) from None
+        except UserError:
+            raise
+        except Exception as exc:
+            return exc
+
+    def _place(
+        self,
+        trial: Trial,
+        built: _Prebuilt | BaseException,
+        again: runs.TrialRecord | None,
+        latest: Path | None,
+    ) -> tuple[Path, str | None]:
+        """The trial's folder and the checkpoint it resumes from: a trial that runs again keeps
+        its folder; a new one is named by ``hp_name`` (once its model is built) or its id."""
+        job = self.job
+        if again is not None:
+            run_dir = Path(again.run_dir)
+            return run_dir, _resume_point(run_dir, str(latest) if latest is not None else None)
+        name = (
+            _call_hp_name(job.hp_name, trial)
+            if job.hp_name and isinstance(built, _Prebuilt)
+            else None
+        )
+        run_dir = runs.run_dir_for(job.output_dir, trial.id, name)
+        # a backend's own resume point (Ray's)
+        return run_dir, _resume_point(run_dir, trial.user_attrs.get("resume_from"))
+
+    def _new_record(
+        self,
+        trial: Trial,
+        run_dir: Path,
+        resume_from: str | None,
+        again: runs.TrialRecord | None,
+    ) -> runs.TrialRecord:
+        job = self.job
+        return runs.TrialRecord(
+            id=trial.id,
+            number=trial.number,
+            backend=self.backend,
+            params=dict(trial.params),
+            objective_name=job.objective_name,
+            directions=list(job.directions),
+            run_dir=str(run_dir),
+            resumed_from=resume_from,
+            attempts=again.attempts + 1 if again is not None else 1,
+            user_attrs={
+                **_plain_attrs(trial.user_attrs),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                **devices.trial_devices(job.processes_per_trial),
+            },
+        )
+
+    def _train_and_record(
+        self,
+        trial: Trial,
+        built: _Prebuilt | BaseException,
+        record: runs.TrialRecord,
+        run_dir: Path,
+        resume_from: str | None,
+    ) -> None:
+        """Record the trial as running, train it (here, or over its data-parallel processes) and
+        record how it ended; a pruned trial raises `TrialPruned` once recorded."""
+        job = self.job
+        args = _trial_args(job, trial.params, run_dir)
+        record.save()
+        if not isinstance(built, _Prebuilt):
+            raise built
+        extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
+        if job.processes_per_trial > 1:
+            from hpsweep.devices.data_parallel import train_data_parallel
+
+            load_datasets(job)  # once, here: the ranks inherit what the factories loaded
+            outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
+        else:
+            outcome = self.train_here(trial, built, args, extra, resume_from)
+        # define-by-run model_init(trial) may have added some
+        record.params = dict(trial.params)
+        record.history = outcome.history
+        if outcome.pruned:
+            record.finish("pruned")
+            raise TrialPruned(
+                f"trial {trial.number} pruned at evaluation {outcome.num_evaluations}"
+            )
+        record.metrics, record.checkpoint = outcome.metrics, outcome.checkpoint
+        record.finish("complete", objective=job.objective_value(outcome.metrics))
 
     def train_here(
         self,

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -223,7 +222,8 @@ def model_init(trial):
     )
     log = (Path(failed.run_dir) / "error.log").read_text()
     assert "OutOfMemoryOnRank1" in log or "forward" in log  # the failing process's own traceback
-    assert time.time() - failed.finished_at < 300
+    # the failing process ended its trial at once (not at the process group's timeout)
+    assert failed.finished_at <= complete.started_at
 
 
 def children(pid: int) -> list[int]:

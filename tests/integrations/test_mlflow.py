@@ -187,8 +187,8 @@ def test_no_secret_reaches_mlflow(tracked_sweep) -> None:
 def test_a_dead_server_warns_once_and_the_sweep_goes_on(tmp_path: Path) -> None:
     space = write_space(tmp_path, epochs=1)
     dead = f"http://127.0.0.1:{free_port()}"
-    started = time.time()
-    proc = hpsweep_cli("run", space, "--n-trials", "3", "--seed", "0", "--mlflow", dead)
+    # no minutes of HTTP retries: the command ends well within the time 3 trials take plus one warning
+    proc = hpsweep_cli("run", space, "--n-trials", "3", "--seed", "0", "--mlflow", dead, timeout=90)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "MLflow" in line]
     assert (
@@ -199,7 +199,6 @@ def test_a_dead_server_warns_once_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     states = [r["state"] for r in _records(tmp_path / "out").values()]
     assert states == ["complete"] * 3
-    assert time.time() - started < 90  # no minutes of HTTP retries
 
 
 def test_a_dead_server_is_fatal_when_asked(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Fault injection: random ``kill -9`` / SIGINT moments across single and ``--n-jobs 2`` sweeps,
-each followed by the same command, checking every invariant of DESIGN.md section 5.
+each followed by the same command, checking every invariant of the README's "When things go wrong".
 
 CI runs a few moments (``HPSWEEP_FAULT_MOMENTS``, default 2: one per mode). The full run prints
 a table and is what bench/README.md reports:

@@ -1,5 +1,6 @@
 """Inputs that used to crash, half-write or mislead a sweep: each is one line and exit 2 with
-nothing written, or does what a user means (DESIGN.md sections 2 and 5)."""
+nothing written, or does what a user means (the README's "The command line" and
+"When things go wrong")."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from support import hpsweep_cli, load_sweep_study
@@ -55,9 +54,8 @@ def test_the_journal_lock_dies_with_a_process_killed_while_holding_it(tmp_path: 
         waiter.start()
         assert not taken.wait(0.5)  # a real lock: the holder keeps others out
         os.kill(holder.pid, signal.SIGKILL)
-        started = time.monotonic()
-        assert taken.wait(10)
-        assert time.monotonic() - started < 5  # not Optuna's symlink lock's 30 s grace period
+        # taken at once, not after Optuna's symlink lock's 30 s grace period
+        assert taken.wait(5)
         mine.release()
     finally:
         holder.kill()
