@@ -2,7 +2,7 @@
 
 Field names and meanings follow Hugging Face's ``TrainingArguments`` so that code moves over
 with only the import changed; a ``transformers.TrainingArguments`` instance is converted by
-`as_training_arguments` (see ``hpsweep/train/hf.py``). A name we do not support is a `UserError`.
+`as_training_arguments` (see ``hpsweep/train/transformers_args.py``). A name we do not support is a `UserError`.
 
     >>> args = TrainingArguments(output_dir="out", num_train_epochs=3, learning_rate=1e-3)
     >>> apply_params(args, {"learning_rate": 0.01}).learning_rate
