@@ -2,7 +2,7 @@
 
 Field names and meanings follow Hugging Face's ``TrainingArguments`` so that code moves over
 with only the import changed; a ``transformers.TrainingArguments`` instance is converted by
-`as_training_arguments` (see ``hpsweep/train/hf.py``). A name we do not support is a `UserError`.
+`as_training_arguments` (see ``hpsweep/train/transformers_args.py``). A name we do not support is a `UserError`.
 
     >>> args = TrainingArguments(output_dir="out", num_train_epochs=3, learning_rate=1e-3)
     >>> apply_params(args, {"learning_rate": 0.01}).learning_rate
@@ -275,6 +275,16 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         self.include_inputs_for_metrics = "inputs" in self.include_for_metrics
 
     def _check(self) -> None:
+        """Refuse values hpsweep cannot train with, one group of fields after another."""
+        self._check_choices()
+        self._check_optimizer()
+        self._check_evaluation_and_reporting()
+        self._check_numbers()
+        self._check_evaluations_and_checkpoints()
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a fixed set: strategies, optimizer, schedule, precision,
+        compiler."""
         for name, allowed in (
             ("eval_strategy", STRATEGIES),
             ("save_strategy", STRATEGIES),
@@ -295,6 +305,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             )
             if self.torch_compile_mode is not None:
                 _choice("torch_compile_mode", self.torch_compile_mode, COMPILE_MODES)
+
+    def _check_optimizer(self) -> None:
+        """The schedule's keyword arguments, and the optimizer that needs transformers."""
         takes = SCHEDULER_KWARGS.get(self.lr_scheduler_type, ())
         if not isinstance(self.lr_scheduler_kwargs, (dict, type(None))):
             raise UserError(
@@ -310,6 +323,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             raise UserError(
                 "optim='adafactor' is transformers' Adafactor; install it: pip install transformers"
             )
+
+    def _check_evaluation_and_reporting(self) -> None:
+        """What an evaluation gathers and where a run reports (precision, labels, integrations)."""
         if self.fp16_full_eval and self.bf16_full_eval:
             raise UserError("fp16_full_eval=True and bf16_full_eval=True: choose one")
         if self.push_to_hub:
@@ -333,8 +349,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             warnings.warn(
                 f"report_to={self.report_to!r}: hpsweep starts no integration but MLflow's, which tracks a "
                 "sweep with report_to='mlflow' (as --mlflow does)",
-                stacklevel=3,
+                stacklevel=4,  # the code that built the arguments, past __post_init__ and _check
             )
+
+    def _check_numbers(self) -> None:
+        """The run's length, and the sizes, rates and factors that have a valid range."""
         if self.max_steps <= 0 and not self.num_train_epochs > 0:
             raise UserError(
                 f"num_train_epochs={self.num_train_epochs}: train for > 0 epochs or set max_steps > 0"
@@ -361,6 +380,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         for name in ("adam_beta1", "adam_beta2", "warmup_ratio", "label_smoothing_factor"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must lie in [0, 1)")
+
+    def _check_evaluations_and_checkpoints(self) -> None:
+        """When evaluations and checkpoints happen, how many are kept, and the best model's."""
         for strategy, steps in (("eval", self.eval_steps), ("save", self.save_steps)):
             if getattr(self, f"{strategy}_strategy") == "steps" and (steps is None or steps < 1):
                 raise UserError(

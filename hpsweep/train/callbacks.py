@@ -1,4 +1,5 @@
-"""Callbacks around the training loop, and the built-in ones.
+"""Callbacks around the training loop, and the built-in ones (early stopping, metrics, the
+progress bar, NEFTune's noise).
 
 A callback subclasses `TrainerCallback` and overrides the events it cares about; each event
 receives ``(args, state, control, **kwargs)`` and may set flags on `TrainerControl`. A callback
@@ -495,5 +496,43 @@ class ProgressCallback(TrainerCallback):
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    on_exception = on_train_end
+
+
+class NEFTune(TrainerCallback):
+    """transformers' ``neftune_noise_alpha``: NEFTune's noise on the model's input embeddings while it
+    trains, through transformers' own hook (``transformers.integrations.neftune``), taken off when
+    training ends or fails, so evaluation, checkpoints and the model afterwards see none. Every
+    trainer has one; it does nothing while ``neftune_noise_alpha`` is None."""
+
+    handle: Any = None
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        if args.neftune_noise_alpha is None:
+            return
+        if not hasattr(model, "get_input_embeddings"):
+            raise UserError(
+                f"neftune_noise_alpha={args.neftune_noise_alpha}: {type(model).__name__} has no "
+                "get_input_embeddings() to add noise to (a transformers model has); unset it"
+            )
+        try:
+            from transformers.integrations.neftune import activate_neftune
+        except ImportError:
+            raise UserError(
+                "neftune_noise_alpha uses transformers' NEFTune hook: pip install transformers"
+            ) from None
+        self.handle = activate_neftune(model, args.neftune_noise_alpha)
+
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
+        if self.handle is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            deactivate_neftune(model, self.handle)
+            self.handle = None
 
     on_exception = on_train_end

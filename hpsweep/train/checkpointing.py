@@ -14,7 +14,7 @@ from typing import Any
 from hpsweep import runs
 from hpsweep.train.accelerator import bare_model
 from hpsweep.train.callbacks import TrainerState
-from hpsweep.train.hf import save_processing_class
+from hpsweep.train.transformers_components import save_processing_class
 
 
 class Checkpointing:

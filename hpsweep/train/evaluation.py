@@ -19,6 +19,7 @@ import torch
 
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
+from hpsweep.train.batch_size_finder import not_a_smaller_train_batch
 from hpsweep.train.callbacks import EvalLoopOutput, MetricCallback, PredictionOutput
 from hpsweep.train.data import (
     batch_labels,
@@ -27,7 +28,6 @@ from hpsweep.train.data import (
     label_names_for,
     resolve_dataset,
 )
-from hpsweep.train.hf import not_a_smaller_train_batch
 from hpsweep.train.metrics import speed_metrics
 from hpsweep.train.predictions import (
     HFEvalPrediction,

@@ -1,7 +1,7 @@
 """The per-step operations of the training loop: accelerate's wrappers, or what they wrap.
 
-`Trainer.train` calls `step_ops` once per run and then only the operations it returns, so the
-loop reads the same in both cases.
+`TrainingLoop` (`Trainer.train`) calls `step_ops` once per run and then only the operations it
+returns, so the loop reads the same in both cases.
 """
 
 from __future__ import annotations

@@ -11,30 +11,26 @@ precision are configuration (``args.mixed_precision``, ``args.use_cpu``), not br
 
 from __future__ import annotations
 
-import math
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.train import hf, optim
-from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
+from hpsweep.train import optim
 from hpsweep.train.arguments import TrainingArguments
+from hpsweep.train.batch_size_finder import train_finding_batch_size
 from hpsweep.train.callbacks import (
     CallbackHandler,
     EvalPrediction,
+    NEFTune,
     ProgressCallback,
     TrainerCallback,
     TrainerControl,
     TrainerState,
-    flow_on_epoch,
-    flow_on_step,
 )
 from hpsweep.train.checkpointing import Checkpointing
 from hpsweep.train.data import (
@@ -50,19 +46,7 @@ from hpsweep.train.data import (
     train_sampler,
 )
 from hpsweep.train.evaluation import Evaluation
-from hpsweep.train.hf import (
-    as_training_arguments,
-    default_collator,
-    train_finding_batch_size,
-    trainer_components,
-)
-from hpsweep.train.metrics import speed_metrics
-from hpsweep.train.model_init import (
-    call_model_init,
-    enable_activation_checkpointing,
-    model_init_arity,
-)
-from hpsweep.train.model_init import set_seed as _set_seed
+from hpsweep.train.model_init import call_model_init, model_init_arity
 from hpsweep.train.predictions import (
     call_model,
     describe,
@@ -70,19 +54,13 @@ from hpsweep.train.predictions import (
     loss_of,
     smooths_labels,
 )
-from hpsweep.train.steps import step_ops
+from hpsweep.train.training_loop import TrainingLoop, TrainOutput
+from hpsweep.train.transformers_api import TransformersTrainerAPI
+from hpsweep.train.transformers_args import as_training_arguments
+from hpsweep.train.transformers_components import default_collator, trainer_components
 
 
-class TrainOutput(NamedTuple):
-    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``, ``train_samples_per_second``,
-    ``train_steps_per_second``, ``train_loss``, ``epoch``, and the last (or best) evaluation's ``eval_*``."""
-
-    global_step: int
-    training_loss: float
-    metrics: dict[str, float]
-
-
-class Trainer(Checkpointing, Evaluation):
+class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
     """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
 
     The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
@@ -137,7 +115,7 @@ class Trainer(Checkpointing, Evaluation):
         self.compute_metrics = compute_metrics
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
-        # They ride with the callbacks, so that every trial's trainer gets them (hf.HFComponents).
+        # They ride with the callbacks, so that every trial's trainer gets them (HFComponents).
         self._components, self.user_callbacks = trainer_components(
             list(callbacks or []),
             processing_class=processing_class,
@@ -173,28 +151,6 @@ class Trainer(Checkpointing, Evaluation):
     def compute_loss_func(self) -> Callable[..., Any] | None:
         return self._components.compute_loss_func
 
-    # transformers' conveniences (callbacks, optimizer helpers, reporting), bound as transformers
-    # binds its own (hpsweep/train/hf.py)
-    from hpsweep.train.hf import (
-        add_callback,
-        autocast_smart_context_manager,
-        callback_handler,
-        compute_loss_context_manager,
-        get_decay_parameter_names,
-        get_learning_rates,
-        get_num_trainable_parameters,
-        get_optimizer_cls_and_kwargs,
-        is_local_process_zero,
-        is_world_process_zero,
-        log_metrics,
-        metrics_format,
-        num_examples,
-        pop_callback,
-        remove_callback,
-        save_metrics,
-        save_state,
-    )
-
     def _callback_context(self) -> dict[str, Any]:
         """What every event hands the callbacks, as transformers' handler does."""
         return {
@@ -207,7 +163,7 @@ class Trainer(Checkpointing, Evaluation):
         }
 
     def _default_callbacks(self) -> list[TrainerCallback]:
-        return [hf.NEFTune()] + ([] if self.args.disable_progress else [ProgressCallback()])
+        return [NEFTune()] + ([] if self.args.disable_progress else [ProgressCallback()])
 
     # --- setup -------------------------------------------------------------------------------------
 
@@ -310,174 +266,13 @@ class Trainer(Checkpointing, Evaluation):
         """Train from scratch, or from a checkpoint (``True``: the run's latest one).
 
         With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
-        Checkpoints are written in the background; every one is on disk when this returns.
+        Checkpoints are written in the background; every one is on disk when this returns. With
+        ``auto_find_batch_size``, a run that runs out of memory starts again with half the batch
+        (`train_finding_batch_size`). The loop itself, step by step, is `TrainingLoop`.
         """
-        if self.args.auto_find_batch_size and not self.__dict__.get("_finding_batch_size"):
+        if self.args.auto_find_batch_size:
             return train_finding_batch_size(self, resume_from_checkpoint, trial)
-        args, started = self.args, time.time()
-        _set_seed(args.seed, args.full_determinism)
-        if self.model_init is not None:
-            self.model = self.call_model_init(trial)
-        enable_activation_checkpointing(self.model, args)
-        checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
-
-        self.accelerator = acc = make_accelerator(self.args)
-        self._eval_loaders: dict[Any, Any] = {}  # prepared loaders belong to one accelerator
-        train_dl = self.get_train_dataloader()
-        # an override of get_train_dataloader may prepare it itself
-        prepared = is_prepared_loader(train_dl)
-        if len(train_dl) == 0:
-            raise UserError(
-                "train_dataset is empty (or smaller than one batch with dataloader_drop_last)"
-            )
-        # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
-        # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
-        batches = len(train_dl) if prepared else math.ceil(len(train_dl) / acc.num_processes)
-        steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
-        max_steps = (
-            args.max_steps
-            if args.max_steps > 0
-            else math.ceil(args.num_train_epochs * steps_per_epoch)
-        )
-        # the user's pair, or None: a run's own from here
-        self.optimizer, self.lr_scheduler = self.optimizers
-        self.create_optimizer_and_scheduler(num_training_steps=max_steps)
-        if prepared:
-            self.model_wrapped, self.optimizer, self.lr_scheduler = acc.prepare(
-                self.model, self.optimizer, self.lr_scheduler
-            )
-        else:
-            self.model_wrapped, self.optimizer, train_dl, self.lr_scheduler = acc.prepare(
-                self.model, self.optimizer, train_dl, self.lr_scheduler
-            )
-        model = self.model_wrapped
-        self._train_dataloader = train_dl
-        # max_steps counts optimizer steps: one schedule step each, not one per process
-        if acc.num_processes > 1:
-            self.lr_scheduler.split_batches = True
-        self._step_ops = ops = step_ops(acc, args, self.optimizer, self.lr_scheduler, train_dl)
-        self.accelerate_wrappers_skipped = ops.plain
-
-        self.state = state = TrainerState(
-            max_steps=max_steps,
-            steps_per_epoch=steps_per_epoch,
-            num_train_epochs=math.ceil(max_steps / steps_per_epoch),
-            trial_number=getattr(trial, "number", None),
-            trial_params=dict(trial.params) if trial is not None else None,
-            logging_steps=args.logging_steps,
-            eval_steps=args.eval_steps,
-            save_steps=args.save_steps,
-            train_batch_size=args.per_device_train_batch_size,
-            is_local_process_zero=acc.is_local_main_process,
-            is_world_process_zero=acc.is_main_process,
-            is_hyper_param_search=trial is not None,
-            trial_name=Path(args.output_dir).name if trial is not None else None,
-        )
-        rng_state = self._load_checkpoint(checkpoint) if checkpoint is not None else None
-        self.control = control = TrainerControl()
-        self._checkpoint_writer = runs.CheckpointWriter()
-        handler = self._handler
-        handler.fire("on_train_begin", args, state, control)
-        if args.eval_on_start:  # transformers' check of the evaluation before the first step
-            self.evaluate()
-
-        first_step = state.global_step
-        epochs_done, skip_steps = divmod(first_step, steps_per_epoch)
-        batches_per_epoch = len(train_dl)
-        accumulation = args.gradient_accumulation_steps
-        running_loss = torch.zeros((), device=acc.device)
-        logged_steps = 0
-        self._loss_total = (
-            0.0,
-            0,
-        )  # the logged intervals' summed loss and their micro-steps: train_loss
-        self._grad_norm: torch.Tensor | None = None  # the last optimizer step's (when clipping)
-        try:
-            for epoch in range(epochs_done, state.num_train_epochs):
-                if hasattr(train_dl, "set_epoch"):
-                    train_dl.set_epoch(epoch)
-                skipped = skip_steps * accumulation if epoch == epochs_done else 0
-                if skipped:  # resuming mid-epoch: the same order, without its first batches
-                    batches = iter(acc.skip_first_batches(train_dl, skipped))
-                else:
-                    batches = ops.batches(train_dl)
-                # after the iterator drew its seed, as in the original run
-                if rng_state is not None:
-                    runs.set_rng_state(rng_state)
-                    rng_state = None
-                handler.fire("on_epoch_begin", args, state, control)
-                for micro_step, batch in enumerate(batches):
-                    if micro_step % accumulation == 0:
-                        handler.fire("on_step_begin", args, state, control)
-                    with ops.accumulate(model):
-                        loss = self.training_step(model, batch)
-                        synced = ops.synced()
-                        if synced:
-                            # the norm before clipping, logged as transformers does
-                            if args.max_grad_norm > 0:
-                                self._grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
-                            handler.fire("on_pre_optimizer_step", args, state, control)
-                        ops.optimizer_step()  # accelerate skips it while accumulating
-                        ops.scheduler_step()
-                        if synced:
-                            handler.fire("on_optimizer_step", args, state, control)
-                            # the model's zero_grad: accelerate's optimizer inspects a signature per call
-                            model.zero_grad(set_to_none=True)
-                    running_loss += loss.detach()
-                    logged_steps += 1
-                    if not synced:
-                        handler.fire("on_substep_end", args, state, control)
-                        continue
-                    state.global_step += 1
-                    state.epoch = epoch + (skipped + micro_step + 1) / batches_per_epoch
-                    flow_on_step(args, state, control)
-                    handler.fire("on_step_end", args, state, control)
-                    if control.should_log or control.should_evaluate or control.should_save:
-                        running_loss, logged_steps = self._log_save_evaluate(
-                            running_loss, logged_steps
-                        )
-                    if control.should_training_stop or control.should_epoch_stop:
-                        break
-                control.should_epoch_stop = False
-                state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
-                flow_on_epoch(args, state, control)
-                handler.fire("on_epoch_end", args, state, control)
-                running_loss, logged_steps = self._log_save_evaluate(running_loss, logged_steps)
-                if control.should_training_stop:
-                    break
-            self._checkpoint_writer.wait()
-        except BaseException as exc:
-            try:  # an interrupted run keeps the checkpoint it was writing: a resume starts from it
-                self._checkpoint_writer.wait()
-            except (
-                Exception
-            ) as write_error:  # reported with what stopped the run, not instead of it
-                exc.add_note(
-                    f"writing a checkpoint failed too: {type(write_error).__name__}: {write_error}"
-                )
-            handler.fire("on_exception", args, state, control, exception=exc)
-            raise
-        if args.load_best_model_at_end and state.best_model_checkpoint:
-            runs.load_weights(bare_model(model), Path(state.best_model_checkpoint))
-        self._add_to_loss_total(running_loss, logged_steps)  # the steps after the last log
-        # this run's steps: a resume's, since its checkpoint; none: NaN
-        total, micro_steps = self._loss_total
-        loss = total / micro_steps if micro_steps else float("nan")
-        steps = state.global_step - first_step
-        summary = {
-            **speed_metrics(
-                "train",
-                started,
-                steps=steps,
-                samples=steps * args.per_device_train_batch_size * accumulation * acc.num_processes,
-            ),
-            "train_loss": loss,
-        }
-        self.log(summary)  # as transformers ends: its on_log, then on_train_end
-        handler.fire("on_train_end", args, state, control)
-        return TrainOutput(
-            state.global_step, loss, {**summary, "epoch": state.epoch, **self.last_eval_metrics()}
-        )
+        return TrainingLoop(self, trial).run(resume_from_checkpoint)
 
     def _add_to_loss_total(self, running_loss: torch.Tensor, micro_steps: int) -> float:
         """Add an interval's summed loss (data-parallel: the processes' mean) to the run's; returns it."""
@@ -488,6 +283,9 @@ class Trainer(Checkpointing, Evaluation):
     def _log_save_evaluate(
         self, running_loss: torch.Tensor, logged_steps: int
     ) -> tuple[torch.Tensor, int]:
+        """Do what the flow and callbacks asked for at the end of a step or an epoch: log the loss
+        of the ``logged_steps`` micro-steps summed in ``running_loss``, evaluate, save a checkpoint.
+        Returns the running loss and its count, started again when they were logged."""
         control = self.control
         # data-parallel: the processes' mean, reduced only here
         if control.should_log and logged_steps:

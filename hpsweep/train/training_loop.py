@@ -1,0 +1,300 @@
+"""`TrainingLoop`: one run of `Trainer.train`, in named steps.
+
+    run
+    ├── set_up           seed, model, accelerator, training batches, optimizer and scheduler
+    ├── on_run_start     the state, the resume, on_train_begin
+    ├── run_epoch        for each epoch: its batches, then on_epoch_end and its log/save/evaluate
+    │   └── advance      one micro-batch: training_step, the optimizer step when gradients sync
+    │       └── on_step_end   on_step_end and its log/save/evaluate (Trainer._log_save_evaluate)
+    └── on_run_end       the best model, the train_* summary, on_train_end
+
+The loop calls the trainer's override points (``get_train_dataloader``,
+``create_optimizer_and_scheduler``, ``training_step``, ``evaluate``, ``save_checkpoint``, ``log``,
+...) where transformers' loop does, and keeps on the trainer what callbacks and overrides read
+there (``model_wrapped``, ``optimizer``, ``state``, ...). What only the loop needs (the running
+loss, where a resume starts) lives on the loop, which is gone when the run ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from hpsweep import runs
+from hpsweep.errors import UserError
+from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
+from hpsweep.train.callbacks import TrainerControl, TrainerState, flow_on_epoch, flow_on_step
+from hpsweep.train.metrics import speed_metrics
+from hpsweep.train.model_init import enable_activation_checkpointing
+from hpsweep.train.model_init import set_seed as _set_seed
+from hpsweep.train.steps import step_ops
+
+if TYPE_CHECKING:
+    from hpsweep.train.trainer import Trainer
+
+
+class TrainOutput(NamedTuple):
+    """What `Trainer.train` returns. ``metrics``: transformers' ``train_runtime``,
+    ``train_samples_per_second``, ``train_steps_per_second``, ``train_loss``, ``epoch``, and the
+    last (or best) evaluation's ``eval_*``."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class TrainingLoop:
+    """One training run of ``trainer``, from scratch or from a checkpoint; ``trial`` builds the
+    model (``model_init(trial)``) and is recorded in the state.
+
+    A loop runs once. Its attributes are set as `run` reaches them: the run's accelerator
+    (``acc``), prepared model and loader, per-step operations (``ops``), state and control, where
+    a resume starts, and the loss summed since the last log (``running_loss``, ``logged_steps``).
+    """
+
+    def __init__(self, trainer: Trainer, trial: Any = None) -> None:
+        self.trainer = trainer
+        self.trial = trial
+
+    def run(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train (``resume_from_checkpoint``: a checkpoint folder, or ``True`` for the run's latest
+        one); every checkpoint is on disk when this returns, or raises."""
+        self.args, self.started = self.trainer.args, time.time()
+        checkpoint = self.set_up(resume_from_checkpoint)
+        self.on_run_start(checkpoint)
+        try:
+            for epoch in range(self.epochs_done, self.state.num_train_epochs):
+                self.run_epoch(epoch)
+                if self.control.should_training_stop:
+                    break
+            self.trainer._checkpoint_writer.wait()
+        except BaseException as exc:
+            self.on_exception(exc)
+            raise
+        return self.on_run_end()
+
+    # --- before the first step ---------------------------------------------------------------------
+
+    def set_up(self, resume_from_checkpoint: str | bool | None) -> Path | None:
+        """The run's model, accelerator, training batches, optimizer and scheduler, prepared by
+        accelerate; returns the checkpoint to resume from, if any."""
+        trainer, args = self.trainer, self.args
+        _set_seed(args.seed, args.full_determinism)
+        if trainer.model_init is not None:
+            trainer.model = trainer.call_model_init(self.trial)
+        enable_activation_checkpointing(trainer.model, args)
+        checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
+
+        self.acc = trainer.accelerator = make_accelerator(trainer.args)
+        trainer._eval_loaders = {}  # prepared loaders belong to one accelerator
+        train_dl = trainer.get_train_dataloader()
+        # an override of get_train_dataloader may prepare it itself
+        prepared = is_prepared_loader(train_dl)
+        self.steps_per_epoch, self.max_steps = self._length(train_dl, prepared)
+        # the user's pair, or None: a run's own from here
+        trainer.optimizer, trainer.lr_scheduler = trainer.optimizers
+        trainer.create_optimizer_and_scheduler(num_training_steps=self.max_steps)
+        self._prepare(train_dl, prepared)
+        return checkpoint
+
+    def _length(self, train_dl: Any, prepared: bool) -> tuple[int, int]:
+        """Optimizer steps per epoch, and in the run."""
+        args, acc = self.args, self.acc
+        if len(train_dl) == 0:
+            raise UserError(
+                "train_dataset is empty (or smaller than one batch with dataloader_drop_last)"
+            )
+        # Data-parallel, each of the N processes takes every N-th batch: an epoch is N times fewer
+        # optimizer steps of an N times larger batch (as in Hugging Face's Trainer).
+        batches = len(train_dl) if prepared else math.ceil(len(train_dl) / acc.num_processes)
+        steps_per_epoch = max(1, math.ceil(batches / args.gradient_accumulation_steps))
+        max_steps = (
+            args.max_steps
+            if args.max_steps > 0
+            else math.ceil(args.num_train_epochs * steps_per_epoch)
+        )
+        return steps_per_epoch, max_steps
+
+    def _prepare(self, train_dl: Any, prepared: bool) -> None:
+        """Hand the model, optimizer, scheduler and (unless it is) the loader to accelerate, and
+        choose the per-step operations (`step_ops`)."""
+        trainer, acc = self.trainer, self.acc
+        if prepared:
+            trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = acc.prepare(
+                trainer.model, trainer.optimizer, trainer.lr_scheduler
+            )
+        else:
+            trainer.model_wrapped, trainer.optimizer, train_dl, trainer.lr_scheduler = acc.prepare(
+                trainer.model, trainer.optimizer, train_dl, trainer.lr_scheduler
+            )
+        self.model = trainer.model_wrapped
+        self.train_dl = trainer._train_dataloader = train_dl
+        # max_steps counts optimizer steps: one schedule step each, not one per process
+        if acc.num_processes > 1:
+            trainer.lr_scheduler.split_batches = True
+        self.ops = trainer._step_ops = step_ops(
+            acc, self.args, trainer.optimizer, trainer.lr_scheduler, train_dl
+        )
+        trainer.accelerate_wrappers_skipped = self.ops.plain
+
+    def on_run_start(self, checkpoint: Path | None) -> None:
+        """A new state (the checkpoint's, on a resume) and control, ``on_train_begin``, and where
+        the steps start."""
+        trainer, args = self.trainer, self.args
+        self.state = trainer.state = self._new_state()
+        self.rng_state = trainer._load_checkpoint(checkpoint) if checkpoint is not None else None
+        self.control = trainer.control = TrainerControl()
+        trainer._checkpoint_writer = runs.CheckpointWriter()
+        self.handler = trainer._handler
+        self.handler.fire("on_train_begin", args, self.state, self.control)
+        if args.eval_on_start:  # transformers' check of the evaluation before the first step
+            trainer.evaluate()
+
+        self.first_step = self.state.global_step
+        self.epochs_done, self.skip_steps = divmod(self.first_step, self.steps_per_epoch)
+        self.batches_per_epoch = len(self.train_dl)
+        self.accumulation = args.gradient_accumulation_steps
+        self.running_loss = torch.zeros((), device=self.acc.device)
+        self.logged_steps = 0
+        # the logged intervals' summed loss and their micro-steps: train_loss
+        trainer._loss_total = (0.0, 0)
+        trainer._grad_norm = None  # the last optimizer step's (when clipping)
+
+    def _new_state(self) -> TrainerState:
+        """The state of a run from its first step (a resume then loads its checkpoint's)."""
+        args, acc, trial = self.args, self.acc, self.trial
+        return TrainerState(
+            max_steps=self.max_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            num_train_epochs=math.ceil(self.max_steps / self.steps_per_epoch),
+            trial_number=getattr(trial, "number", None),
+            trial_params=dict(trial.params) if trial is not None else None,
+            logging_steps=args.logging_steps,
+            eval_steps=args.eval_steps,
+            save_steps=args.save_steps,
+            train_batch_size=args.per_device_train_batch_size,
+            is_local_process_zero=acc.is_local_main_process,
+            is_world_process_zero=acc.is_main_process,
+            is_hyper_param_search=trial is not None,
+            trial_name=Path(args.output_dir).name if trial is not None else None,
+        )
+
+    # --- the epochs --------------------------------------------------------------------------------
+
+    def run_epoch(self, epoch: int) -> None:
+        """One epoch's batches (a resume's first epoch without those it had trained on), then
+        ``on_epoch_end`` and its log/save/evaluate."""
+        args, state, control = self.args, self.state, self.control
+        if hasattr(self.train_dl, "set_epoch"):
+            self.train_dl.set_epoch(epoch)
+        skipped = self.skip_steps * self.accumulation if epoch == self.epochs_done else 0
+        if skipped:  # resuming mid-epoch: the same order, without its first batches
+            batches = iter(self.acc.skip_first_batches(self.train_dl, skipped))
+        else:
+            batches = self.ops.batches(self.train_dl)
+        # after the iterator drew its seed, as in the original run
+        if self.rng_state is not None:
+            runs.set_rng_state(self.rng_state)
+            self.rng_state = None
+        self.handler.fire("on_epoch_begin", args, state, control)
+        for micro_step, batch in enumerate(batches):
+            if self.advance(epoch, skipped, micro_step, batch):
+                break
+        control.should_epoch_stop = False
+        state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
+        flow_on_epoch(args, state, control)
+        self.handler.fire("on_epoch_end", args, state, control)
+        self._log_save_evaluate()
+
+    def advance(self, epoch: int, skipped: int, micro_step: int, batch: Any) -> bool:
+        """Train on one micro-batch, the ``micro_step``-th of ``epoch`` after the ``skipped`` ones
+        a resume left out; when the gradients sync, step the optimizer and end the step. Returns
+        whether the epoch stops here."""
+        args, state, control, ops, model = self.args, self.state, self.control, self.ops, self.model
+        if micro_step % self.accumulation == 0:
+            self.handler.fire("on_step_begin", args, state, control)
+        with ops.accumulate(model):
+            loss = self.trainer.training_step(model, batch)
+            synced = ops.synced()
+            if synced:
+                # the norm before clipping, logged as transformers does
+                if args.max_grad_norm > 0:
+                    self.trainer._grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
+                self.handler.fire("on_pre_optimizer_step", args, state, control)
+            ops.optimizer_step()  # accelerate skips it while accumulating
+            ops.scheduler_step()
+            if synced:
+                self.handler.fire("on_optimizer_step", args, state, control)
+                # the model's zero_grad: accelerate's optimizer inspects a signature per call
+                model.zero_grad(set_to_none=True)
+        self.running_loss += loss.detach()
+        self.logged_steps += 1
+        if not synced:
+            self.handler.fire("on_substep_end", args, state, control)
+            return False
+        return self.on_step_end(epoch, skipped + micro_step + 1)
+
+    def on_step_end(self, epoch: int, batches_done: int) -> bool:
+        """Count the optimizer step (``batches_done`` batches into ``epoch``), let the flow and
+        ``on_step_end`` decide what follows it, and do it; returns whether the epoch stops here."""
+        args, state, control = self.args, self.state, self.control
+        state.global_step += 1
+        state.epoch = epoch + batches_done / self.batches_per_epoch
+        flow_on_step(args, state, control)
+        self.handler.fire("on_step_end", args, state, control)
+        if control.should_log or control.should_evaluate or control.should_save:
+            self._log_save_evaluate()
+        return control.should_training_stop or control.should_epoch_stop
+
+    def _log_save_evaluate(self) -> None:
+        """`Trainer._log_save_evaluate` with the loss run since the last log."""
+        self.running_loss, self.logged_steps = self.trainer._log_save_evaluate(
+            self.running_loss, self.logged_steps
+        )
+
+    # --- the end ---------------------------------------------------------------------------------
+
+    def on_exception(self, exc: BaseException) -> None:
+        """An interrupted run keeps the checkpoint it was writing (a resume starts from it), then
+        the callbacks hear of ``exc`` (``on_exception``)."""
+        try:
+            self.trainer._checkpoint_writer.wait()
+        except Exception as write_error:  # reported with what stopped the run, not instead of it
+            exc.add_note(
+                f"writing a checkpoint failed too: {type(write_error).__name__}: {write_error}"
+            )
+        self.handler.fire("on_exception", self.args, self.state, self.control, exception=exc)
+
+    def on_run_end(self) -> TrainOutput:
+        """The best checkpoint's weights (``load_best_model_at_end``), the run's ``train_*``
+        summary logged, ``on_train_end``; returns the `TrainOutput`."""
+        trainer, args, state = self.trainer, self.args, self.state
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            runs.load_weights(bare_model(self.model), Path(state.best_model_checkpoint))
+        # the steps after the last log
+        trainer._add_to_loss_total(self.running_loss, self.logged_steps)
+        # this run's steps: a resume's, since its checkpoint; none: NaN
+        total, micro_steps = trainer._loss_total
+        loss = total / micro_steps if micro_steps else float("nan")
+        steps = state.global_step - self.first_step
+        samples = steps * args.per_device_train_batch_size * self.accumulation
+        summary = {
+            **speed_metrics(
+                "train",
+                self.started,
+                steps=steps,
+                samples=samples * self.acc.num_processes,
+            ),
+            "train_loss": loss,
+        }
+        trainer.log(summary)  # as transformers ends: its on_log, then on_train_end
+        self.handler.fire("on_train_end", args, state, self.control)
+        return TrainOutput(
+            state.global_step,
+            loss,
+            {**summary, "epoch": state.epoch, **trainer.last_eval_metrics()},
+        )
