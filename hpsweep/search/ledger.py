@@ -6,6 +6,9 @@ Guarantees (DESIGN.md, section 5), whatever process or command runs the trials:
   starts only under the ledger lock (``DIR/.ledger.lock``) and only while the finished trials
   plus the live leases are fewer than ``n_trials``, so any number of workers and commands that
   share ``DIR`` finish exactly ``n_trials``. Failed trials do not count: another runs instead.
+- **Numbering.** A new trial that its backend does not number itself takes `Ledger.next_number`
+  under the lock, and its lease carries the number until the trial is recorded, so two
+  processes never give one number to two trials.
 - **Leases.** A running trial holds a lease: a file in ``DIR/.leases`` that its process keeps
   locked with ``flock``. The kernel drops the lock when the process dies (``kill -9``, an OOM
   kill), so the next claim on this machine knows at once that the trial is orphaned. A lease
@@ -21,8 +24,15 @@ Guarantees (DESIGN.md, section 5), whatever process or command runs the trials:
   ``trial.json`` write, by any process, appends one line) and the ``running``/``stopped`` ones, and
   lists the whole folder when a lease died and every few seconds, for records edited by hand.
 
-A backend never counts, leases or re-runs anything itself: it is asked for a trial (new, or a
-record to run again) and told how each ended.
+Who calls what. The search layer's loop (`hpsweep.search.loop`) makes these calls for the
+ask/tell backends (Optuna, W&B without a server). An executor backend, whose trials start
+somewhere else (a Ray Tune worker, W&B's agent), makes the same calls where its trials start:
+under `Ledger.locked`, `reap`, then `claim_new` or `claim_trial` for a lease, `next_number` for a
+new trial's number and `Lease.bind`; the trial runner records the trial; `Lease.release` ends it.
+A driver that runs trials in batches (Ray Tune's rounds) asks `needed` and `next_number` before a
+batch, and after it tells the ledger what it saw of trials that could not record it themselves
+(`wait_for_endings`, then `settle`; `restate` for one trial). No backend counts, leases or
+rewrites a record itself, nor numbers a trial unless its own records number it (Optuna's study).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +61,17 @@ HEARTBEAT_S = 10.0
 STALE_S = 60.0  # a lease on another host with no heartbeat for this long belongs to a dead process
 FINISHED = ("complete", "pruned")
 AGAIN = "stopped"  # the state of a trial that waits to run again
+# batches in which an executor saw a trial's process die, in one command, before the trial fails
+LOST_TO_FAIL = 2
 
 
 class Lease:
     """A running trial's claim: an ``flock``-ed file that dies with its process.
 
     The holder keeps the file descriptor open; a thread touches the file every `HEARTBEAT_S`
-    for processes on other hosts. `bind` writes which trial the lease is for (and the backend's
-    own reference to it, so an orphaned trial can be closed in the backend's records too).
+    for processes on other hosts. `bind` writes which trial the lease is for, its number (taken
+    before the trial is recorded: see `Ledger.next_number`) and the backend's own reference to it,
+    so an orphaned trial can be closed in the backend's records too.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -70,6 +84,7 @@ class Lease:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "trial": None,
+            "number": None,
             "ref": None,
         }
         self._write()
@@ -77,8 +92,8 @@ class Lease:
         self._beat = threading.Thread(target=self._heartbeat, name="hpsweep-lease", daemon=True)
         self._beat.start()
 
-    def bind(self, trial_id: str, ref: Any = None) -> None:
-        self.info.update(trial=trial_id, ref=ref)
+    def bind(self, trial_id: str, ref: Any = None, *, number: int | None = None) -> None:
+        self.info.update(trial=trial_id, number=number, ref=ref)
         self._write()
 
     def release(self) -> None:
@@ -113,6 +128,11 @@ class LeaseFile:
     @property
     def trial(self) -> str | None:
         return self.info.get("trial")
+
+    @property
+    def number(self) -> int | None:
+        number = self.info.get("number")
+        return number if isinstance(number, int) else None
 
     @property
     def on_this_host(self) -> bool:
@@ -162,6 +182,8 @@ class Ledger:
         self.n_trials = n_trials
         self.lease_dir = output_dir / LEASE_DIR
         self.index = runs.TrialIndex(output_dir)
+        # how often an executor saw each trial's process die, in this command (see `settle`)
+        self._lost: Counter[str] = Counter()
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -184,23 +206,70 @@ class Ledger:
             found.append(LeaseFile(path, info))
         return found
 
-    def records(self, *states: str) -> list[runs.TrialRecord]:
+    def live(self) -> list[LeaseFile]:
+        """The leases whose process still runs: trials running now, in any command."""
+        return [lease for lease in self.leases() if lease.alive()]
+
+    def held(self, trial_id: str) -> bool:
+        """Whether a live lease is bound to ``trial_id``: its process still runs it, or is still
+        recording its end."""
+        return any(lease.trial == str(trial_id) for lease in self.live())
+
+    def records(self, *states: str, fresh: bool = False) -> list[runs.TrialRecord]:
         """The trials in ``states`` (default: all) by number, as the ledger knows them now. They are
-        the ledger's own: copy one (`dataclasses.replace`) before changing it."""
-        self.index.refresh()
+        the ledger's own: copy one (`dataclasses.replace`) before changing it.
+
+        ``fresh``: list the folder and check every record first, for a caller that acts on many
+        records at once, written by processes on other hosts (Ray's driver between rounds).
+        """
+        self.index.refresh(verify=fresh)
         return self.index.records(*states)
 
-    def finished(self, records: list[runs.TrialRecord] | None = None) -> int:
-        if records is not None:
-            return sum(1 for r in records if r.state in FINISHED)
+    def record(self, trial_id: str) -> runs.TrialRecord | None:
+        """The record of ``trial_id`` as it is on disk now (a copy, to change and save), or None.
+
+        Read fresh (see `records`): whoever claims it writes it back whole, so it must not be a
+        version older than what another host wrote.
+        """
+        found = next((r for r in self.records(fresh=True) if r.id == str(trial_id)), None)
+        return None if found is None else dataclasses.replace(found)
+
+    def finished(self) -> int:
         self.index.refresh()
         return self.index.count(*FINISHED)
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
         return [r for r in self.records("failed") if (r.finished_at or 0) >= since]
 
-    def done(self) -> bool:
-        return self.n_trials is not None and self.finished() >= self.n_trials
+    # --- counting and numbering ---------------------------------------------------------------------
+
+    def needed(self) -> int | None:
+        """How many new trials the sweep still wants: ``n_trials`` less the finished trials, those
+        running under a live lease and those waiting to run again (they run, and count, first);
+        None without a limit. Call it holding `locked`, after `reap`."""
+        live = len(self.live())
+        self.index.refresh()
+        return self._needed(live, self.index.count(AGAIN))
+
+    def _needed(self, live: int, waiting: int) -> int | None:
+        if self.n_trials is None:
+            return None
+        return self.n_trials - self.index.count(*FINISHED) - live - waiting
+
+    def next_number(self, prefer: int | None = None) -> int:
+        """The number of a new trial: ``prefer`` (an executor's own numbering of its trials, such as
+        the order Tune created them in) when no record and no live lease has it, else one past the
+        highest number in use.
+
+        Call it holding `locked`, and bind the trial's lease with the number (`Lease.bind`) before
+        letting the lock go: the lease holds the number until the trial's record does.
+        """
+        self.index.refresh()
+        taken = {r.number for r in self.index.records()}
+        taken.update(lease.number for lease in self.live() if lease.number is not None)
+        if prefer is not None and prefer not in taken:
+            return prefer
+        return max(taken, default=-1) + 1
 
     # --- reaping and claiming -----------------------------------------------------------------------
 
@@ -242,21 +311,21 @@ class Ledger:
             return self._lease_again(again[0])
         return self.claim_new()
 
-    def claim_new(self) -> Claim | str:
+    def claim_new(self, *, waiting_run_again: bool = True) -> Claim | str:
         """A lease for a new trial only, or ``"wait"`` / ``"done"`` as `claim` says. Call it holding
-        `locked`.
+        `locked`; bind the lease to the trial (`next_number`, `Lease.bind`) before letting it go.
 
-        For a backend whose own scheduler hands out the trials to run again (Ray Tune runs them in
-        a round of their own, so its searcher never sees a result for params it did not suggest):
-        trials waiting to run again keep their places in the count, so they still run.
+        For an executor backend, whose own scheduler hands out the trials to run again (Ray Tune
+        runs them in a round of their own, so its searcher never sees a result for params it did
+        not suggest): trials waiting to run again keep their places in the count, so they still
+        run. An executor that cannot run a trial again (W&B's agent: the server hands out the
+        params) passes ``waiting_run_again=False``, and they hold no place.
         """
-        live = sum(1 for lease in self.leases() if lease.alive())
+        live = len(self.live())
         self.index.refresh()
-        waiting = self.index.count(AGAIN)
-        if (
-            self.n_trials is not None
-            and self.index.count(*FINISHED) + live + waiting >= self.n_trials
-        ):
+        waiting = self.index.count(AGAIN) if waiting_run_again else 0
+        needed = self._needed(live, waiting)
+        if needed is not None and needed <= 0:
             return "wait" if live or waiting else "done"
         return Claim(Lease(self.lease_dir))
 
@@ -269,9 +338,7 @@ class Ledger:
         worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
         Running again takes the trial out of the finished count until it ends again.
         """
-        # Read from disk, not the index: Ray's driver and workers on other hosts rewrite a trial's
-        # record between its rounds, and the record claimed here is written back whole.
-        record = next((r for r in runs.read_trials(self.output_dir) if r.id == str(trial_id)), None)
+        record = self.record(trial_id)
         if record is None or record.state not in states:
             return None
         return self._lease_again(record)
@@ -280,7 +347,74 @@ class Ledger:
         # the index's own stays as read until the journal names it
         record = dataclasses.replace(record)
         lease = Lease(self.lease_dir)
-        lease.bind(record.id)
+        lease.bind(record.id, number=record.number)
         record.state = "running"
         record.save()
         return Claim(lease, record)
+
+    # --- after trials run elsewhere -----------------------------------------------------------------
+
+    def wait_for_endings(self, trial_ids: Collection[str], timeout: float) -> None:
+        """Wait until no process on this host holds the lease of one of ``trial_ids``, up to
+        ``timeout`` seconds.
+
+        An executor may report a batch of trials over once it asked them to stop, not once they
+        are gone (Tune's ``fit()``): a trial may still be recording its end. Waiting for their
+        leases lets `reap` (in `settle`) say at once, on disk, which trials were killed mid-way.
+        Leases on other hosts age out on their own (`STALE_S`); they are not waited for.
+        """
+        wanted = {str(t) for t in trial_ids}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(str(lease.trial) in wanted and lease.on_this_host for lease in self.live()):
+                return
+            time.sleep(0.1)
+
+    def settle(
+        self,
+        trial_ids: Iterable[str],
+        *,
+        stopped_at: float | None = None,
+        lost: Collection[str] = (),
+        lost_error: str = "its process died in {times} batches of trials",
+    ) -> None:
+        """Record what an executor saw of a batch of its trials (a Tune round) that the trials
+        could not record themselves, once the batch is over. Call it holding `locked`.
+
+        - ``stopped_at``: when the sweep began to stop the batch (Ctrl-C, a user error). A trial
+          recorded ``pruned`` since then was cut short, not pruned (an executor stops a trial the
+          same way for both, and a trial that could not see the stop could not tell): it waits to
+          run again.
+        - ``lost``: the trials whose process the executor saw die. One still recorded ``running``
+          or waiting runs again, unless its process died in `LOST_TO_FAIL` batches of this command:
+          then it failed, with ``lost_error`` (``{times}``: how often), as a trial that kills its
+          worker each time (out of memory) must not run for ever.
+
+        Then `reap`: the trials whose process died with the batch wait to run again.
+        """
+        by_id = {r.id: r for r in self.records(fresh=True)}
+        for trial_id in map(str, trial_ids):
+            record = by_id.get(trial_id)
+            if record is None:
+                continue
+            record = dataclasses.replace(record)  # the index's own stays as read
+            cut_short = stopped_at is not None and (record.finished_at or 0) >= stopped_at
+            if record.state == "pruned" and cut_short:
+                record.finish(AGAIN, error="the sweep stopped while it ran")
+            elif trial_id in lost and record.state in ("running", AGAIN):
+                self._lost[trial_id] += 1
+                if self._lost[trial_id] >= LOST_TO_FAIL:
+                    record.finish("failed", error=lost_error.format(times=self._lost[trial_id]))
+        self.reap()
+
+    def restate(self, trial_id: str, state: str, *, was: str = "failed") -> None:
+        """Record that ``trial_id`` ended ``state`` where its process, knowing no better, recorded
+        ``was``: an executor that stops a trial by raising inside it (W&B's agent, for its server's
+        hyperband or Ctrl-C) leaves the trial runner recording a failure. A failure's
+        ``error.log`` goes with it."""
+        record = self.record(trial_id)
+        if record is None or record.state != was:
+            return
+        record.finish(state)
+        if was == "failed":
+            (Path(record.run_dir) / "error.log").unlink(missing_ok=True)

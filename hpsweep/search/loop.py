@@ -1,4 +1,4 @@
-"""The search loop every local backend runs: claim a lease, ask the backend, train, tell it.
+"""The search loop every ask/tell backend runs: claim a lease, ask the backend, train, tell it.
 
 One process (``--n-jobs 1``) runs the loop itself; with ``--n-jobs N`` the command forks N
 worker processes that each run it, and supervises them:
@@ -98,7 +98,7 @@ class TrialLoop:
             return None
         if claim.again is not None:
             trial.user_attrs["again"] = claim.again
-        claim.lease.bind(trial.id, trial.ref)
+        claim.lease.bind(trial.id, trial.ref, number=trial.number)
         return trial
 
     def _run(self, backend: Backend, trial: Trial, claim: Claim) -> None:

@@ -85,3 +85,73 @@ def test_a_record_edited_by_hand_is_read_as_it_is_now(swept: Path, tmp_path: Pat
         "complete",
         "complete",
     ]
+
+
+# --- what executor backends (Ray's driver and workers, W&B's agent) ask of the ledger -------------
+
+
+def recorded(out: Path, number: int, state: str, **fields) -> runs.TrialRecord:
+    record = runs.TrialRecord(
+        id=str(number), number=number, backend="ray", params={}, run_dir=str(out / f"run-{number}")
+    )
+    record.finish(state, **fields)
+    return record
+
+
+def test_a_new_trial_takes_a_number_no_record_or_live_lease_has(tmp_path: Path) -> None:
+    for number, state in enumerate(["complete", "failed", "stopped"]):
+        recorded(tmp_path, number, state)
+    ledger = Ledger(tmp_path, n_trials=None)
+    with ledger.locked():
+        claim = ledger.claim_new()
+        assert isinstance(claim, Claim)
+        claim.lease.bind("3", number=ledger.next_number(prefer=1))  # 1 is taken: the next free
+    assert ledger.next_number() == 4 and ledger.next_number(prefer=7) == 7
+    claim.lease.release()  # never recorded: its number is free again
+    assert ledger.next_number() == 3
+
+
+def test_trials_waiting_to_run_again_hold_places_only_for_an_executor_that_reruns(
+    tmp_path: Path,
+) -> None:
+    recorded(tmp_path, 0, "complete")
+    recorded(tmp_path, 1, "stopped")
+    ledger = Ledger(tmp_path, n_trials=2)
+    with ledger.locked():
+        assert ledger.needed() == 0 and ledger.claim_new() == "wait"
+        claim = ledger.claim_new(waiting_run_again=False)  # W&B's server cannot run it again
+    assert isinstance(claim, Claim)
+    claim.lease.release()
+
+
+def test_settling_a_round_reruns_what_the_stop_cut_short_and_fails_a_trial_that_keeps_dying(
+    tmp_path: Path,
+) -> None:
+    stopped_at = recorded(tmp_path, 0, "pruned").finished_at + 1  # pruned before the stop
+    cut = recorded(tmp_path, 1, "pruned")
+    cut.finished_at = stopped_at + 1  # ended by the stop: Tune says "pruned" all the same
+    cut.save()
+    dying = runs.TrialRecord(
+        id="2", number=2, backend="ray", params={}, run_dir=str(tmp_path / "run-2")
+    )
+    dying.save()  # running, its worker dead
+    ledger = Ledger(tmp_path, n_trials=3)
+    with ledger.locked():
+        ledger.settle(
+            ["0", "1", "2"], stopped_at=stopped_at, lost={"2"}, lost_error="died {times}x"
+        )
+    states = {r.id: r.state for r in runs.read_trials(tmp_path)}
+    assert states == {"0": "pruned", "1": "stopped", "2": "stopped"}  # the first death: again
+    with ledger.locked():
+        ledger.settle(["2"], lost={"2"}, lost_error="died {times}x")
+    [failed] = [r for r in runs.read_trials(tmp_path) if r.state == "failed"]
+    assert failed.id == "2" and failed.error == "died 2x"
+
+
+def test_a_trial_its_executor_stopped_by_raising_is_restated(tmp_path: Path) -> None:
+    record = recorded(tmp_path, 0, "failed", error="KeyboardInterrupt")
+    (Path(record.run_dir) / "error.log").write_text("Traceback ...")
+    Ledger(tmp_path, n_trials=1).restate("0", "pruned")
+    [again] = runs.read_trials(tmp_path)
+    assert again.state == "pruned" and again.error is None
+    assert not (Path(record.run_dir) / "error.log").exists()

@@ -1,4 +1,4 @@
-"""The one interface a search backend implements."""
+"""The one interface a search backend implements, for both kinds of backend (see `Backend`)."""
 
 from __future__ import annotations
 
@@ -58,20 +58,31 @@ class SearchSettings:
 
 
 class Backend:
-    """Decides which params to try and where trials run; nothing else.
+    """Decides which params to try, and for an executor backend where trials run; nothing else.
 
-    The search layer (`hpsweep.search.loop`) owns the loop: it claims a lease from the `Ledger`, asks the
-    backend for a trial, trains it and tells the backend how it ended. Counting, running orphaned
-    trials again, signals and failures are the ledger's and the loop's, alike for every backend.
+    Counting, numbering, leases, running cut-short trials again and failures are the sweep's
+    ledger's (`hpsweep.search.ledger.Ledger`), alike for every backend. Two kinds of backend
+    share this interface:
 
-    A backend is one module in ``hpsweep/search/backends/`` and one line in ``backends/__init__.py``.
-    `__init__` checks the settings and raises `UserError` for what it cannot do (a sampler it
-    lacks, define-by-run, a missing extra), before anything is written to disk.
+    - **Ask/tell backends** (Optuna; W&B without a server) implement `ask` and `tell`. The search
+      layer's loop (`hpsweep.search.loop`) runs the trials, here and in ``--n-jobs`` worker
+      processes: under the ledger's lock it reaps, claims a lease (a trial to run again or a new
+      one), asks the backend and binds the lease to the trial; then it trains the trial, tells
+      the backend how it ended and releases the lease.
+    - **Executor backends** (Ray Tune; W&B with a server, whose agent runs the trials) override
+      `run`: their trials start somewhere else (a Tune worker, the agent's thread), and there
+      they make the loop's ledger calls themselves: under `Ledger.locked`, `Ledger.reap`, then
+      `Ledger.claim_new` or `Ledger.claim_trial`, `Ledger.next_number` for a new trial's number
+      and `Lease.bind`; the trial runner records the trial; `Lease.release`. A driver that runs
+      trials in batches asks `Ledger.needed` and `Ledger.next_number` before one, and after it
+      tells the ledger what it saw that its trials could not record (`Ledger.wait_for_endings`,
+      `Ledger.settle`, `Ledger.restate`). It never counts, numbers or rewrites records itself.
 
-    A backend implements `ask` and `tell` (the search layer's loop runs the trials, here and in
-    ``--n-jobs`` workers), or overrides `run` when its trials run elsewhere; `open` and `close` bracket a worker's use of it (in
-    each ``--n-jobs`` worker process after the fork, so connections are never shared). A backend
-    that runs trials somewhere else (Ray's cluster) overrides `run`.
+    A backend is one module (or package) in ``hpsweep/search/backends/`` and one line in
+    ``backends/__init__.py``. `__init__` checks the settings and raises `UserError` for what it
+    cannot do (a sampler it lacks, define-by-run, a missing extra), before anything is written to
+    disk. `open` and `close` bracket a worker's use of an ask/tell backend (in each ``--n-jobs``
+    worker process after the fork, so connections are never shared).
     """
 
     name: ClassVar[str]
@@ -151,7 +162,7 @@ class Backend:
 
         With ``again``, the record of a trial whose run was cut short: return that trial again,
         with its number and params (its folder and checkpoint are the search layer's business).
-        A backend that overrides `run` (its trials run elsewhere) need not implement it.
+        An executor backend (it overrides `run`) need not implement it.
         """
         raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
 
@@ -164,5 +175,6 @@ class Backend:
         """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""
 
     def run(self, loop: Any) -> None:
-        """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers."""
+        """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers; an
+        executor backend overrides it (see the class's docstring), with ``loop.ledger``."""
         loop.run_locally(self)

@@ -3,9 +3,11 @@
 With a W&B login (``WANDB_API_KEY`` or ``wandb login``) and ``WANDB_MODE`` not ``offline`` or
 ``disabled``, the sweep runs the way W&B users know it: ``wandb.sweep`` creates it on the
 server and ``wandb.agent`` runs ``--n-trials`` runs, the server proposing params and stopping
-runs. Without a server the same sweep runs locally on ``sweeps``, the open-source engine W&B's
-local controller uses: it proposes the next params from the finished runs on disk and decides
-hyperband stops, and every trial is an offline W&B run under ``DIR/wandb/`` that
+runs (an executor backend, see `Backend`: each run takes its lease and number from the sweep's
+ledger, though the server cannot run a cut-short run again). Without a server the same sweep
+runs locally on ``sweeps``, the open-source engine W&B's local controller uses (an ask/tell
+backend): it proposes the next params from the finished runs on disk and decides hyperband
+stops, and every trial is an offline W&B run under ``DIR/wandb/`` that
 ``wandb sync DIR/wandb/offline-run-*`` uploads later. hpsweep adds no search logic of its own.
 
     $ WANDB_MODE=offline hpsweep run space.py --backend wandb --sampler bayes --pruner hyperband
@@ -18,6 +20,8 @@ config (and the server's sweep id), so the same command continues the same sweep
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import random
 import secrets
@@ -25,7 +29,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,8 @@ with warnings.catch_warnings():
 from hpsweep import runs
 from hpsweep.errors import TrialFailed, TrialPruned, UserError
 from hpsweep.search.backends._base import Backend, SearchSettings
+from hpsweep.search.ledger import Claim, Ledger
+from hpsweep.search.loop import WAIT_S
 from hpsweep.search.space import Categorical, Distribution, Float, Int
 from hpsweep.trial import Trial
 
@@ -329,8 +335,6 @@ class WandbBackend(Backend):
     # --- local: the sweeps engine on the runs on disk -----------------------------------------------
 
     def ask(self, again: runs.TrialRecord | None = None) -> WandbTrial | None:
-        from hpsweep.search.ledger import Ledger
-
         s = self.settings
         records = self._records()
         finished = [self._as_sweep_run(r) for r in records if r.backend == "wandb"]
@@ -338,13 +342,8 @@ class WandbBackend(Backend):
             number, params = again.number, again.params
             history = _checkpoint_history(runs.latest_checkpoint(Path(again.run_dir)), self.metric)
         else:
-            # Numbers in use: recorded trials, and trials claimed (leased) but not yet recorded.
-            leased = [
-                int(lease.trial)
-                for lease in Ledger(s.output_dir, None).leases()
-                if str(lease.trial or "").isdigit()
-            ]
-            number = max([r.number for r in records] + leased, default=-1) + 1
+            # asked under the ledger's lock: the loop binds the claim's lease to this number
+            number = Ledger(s.output_dir, None).next_number()
             if s.seed is not None:  # the engine samples with `random` and numpy
                 random.seed(s.seed + number)
                 np.random.seed((s.seed + number) % 2**32)
@@ -422,64 +421,103 @@ class WandbBackend(Backend):
 
     def _run_online(self, trial_fn: Any, sweep_id: str | None, loop: Any) -> None:
         s = self.settings
-        entity = s.options.get("entity")
         if sweep_id is None:
-            sweep_id = wandb.sweep(self.config, project=s.study_name, entity=entity)
+            sweep_id = wandb.sweep(
+                self.config, project=s.study_name, entity=s.options.get("entity")
+            )
             path = s.output_dir / SWEEP_FILE
             runs.write_json(path, {**runs.read_json(path), "sweep_id": sweep_id})
-        errors: list[BaseException] = []
-        interrupted = threading.Event()
+        _Agent(self, trial_fn, loop.ledger).run(sweep_id)
 
-        def one_trial() -> None:  # the agent calls this in its own thread, with the server's params
-            run = wandb.init(dir=str(s.output_dir), settings=self._init_settings())
-            number = max((r.number for r in self._records()), default=-1) + 1
-            run.name = f"run-{number}"
-            trial = WandbTrial(
-                number,
-                {name: _plain(run.config[name]) for name in self.config["parameters"]},
-                run=run,
-                metric=self.metric,
-            )
-            try:
-                state = self._call(trial_fn, trial)
-            except UserError as exc:
-                errors.append(exc)
-                raise
-            run.finish(exit_code=1 if state == "failed" else 0)
-            if getattr(threading.current_thread(), "_terminated", False):
-                # The agent stops a run by raising inside its thread (the server's hyperband or
-                # Ctrl-C): TrialRunner saw an exception, so record what it really was.
-                _restate(s.output_dir, trial.id, "stopped" if interrupted.is_set() else "pruned")
 
-        previous = signal.getsignal(signal.SIGINT)
+class _Agent:
+    """W&B's agent, run one trial at a time: an executor backend (see `Backend`). The server hands
+    out the params and stops runs; each trial takes its lease and number from the sweep's ledger
+    before the agent starts it, as the search layer's loop does, so the ledger counts, numbers and
+    reaps the agent's trials as any other. The server cannot run a cut-short trial again: trials
+    waiting to run again hold no place in the count here."""
 
-        def on_sigint(signum: int, frame: Any) -> None:  # the agent swallows Ctrl-C; remember it
-            interrupted.set()
+    def __init__(self, backend: WandbBackend, trial_fn: Any, ledger: Ledger) -> None:
+        self.backend = backend
+        self.settings = backend.settings
+        self.trial_fn = trial_fn
+        self.ledger = ledger
+        self.errors: list[BaseException] = []
+        self.interrupted = threading.Event()
+
+    def run(self, sweep_id: str) -> None:
+        """One agent per trial, so n_trials, --timeout and errors are checked between runs."""
+        s = self.settings
+        started = time.monotonic()
+        with self._ctrl_c_remembered():
+            while (
+                (s.timeout is None or time.monotonic() - started < s.timeout)
+                and not self.errors
+                and not self.interrupted.is_set()
+            ):
+                claim = self._claim()
+                if claim == "done":
+                    break
+                if not isinstance(claim, Claim):
+                    time.sleep(WAIT_S)  # other commands' trials run; one may fail
+                    continue
+                try:
+                    wandb.agent(
+                        sweep_id,
+                        function=functools.partial(self._one_trial, claim),
+                        count=1,
+                        project=s.study_name,
+                        entity=s.options.get("entity"),
+                    )
+                finally:
+                    claim.lease.release()
+        if self.errors:
+            raise self.errors[0]
+        if self.interrupted.is_set():
+            raise KeyboardInterrupt
+
+    def _claim(self) -> Claim | str:
+        with self.ledger.locked():
+            self.ledger.reap()
+            return self.ledger.claim_new(waiting_run_again=False)
+
+    def _one_trial(self, claim: Claim) -> None:
+        """The agent calls this in its own thread, with the server's params."""
+        backend = self.backend
+        run = wandb.init(dir=str(self.settings.output_dir), settings=backend._init_settings())
+        with self.ledger.locked():
+            number = self.ledger.next_number()
+            claim.lease.bind(str(number), number=number)
+        run.name = f"run-{number}"
+        params = {name: _plain(run.config[name]) for name in backend.config["parameters"]}
+        trial = WandbTrial(number, params, run=run, metric=backend.metric)
+        try:
+            state = backend._call(self.trial_fn, trial)
+        except UserError as exc:
+            self.errors.append(exc)
+            raise
+        run.finish(exit_code=1 if state == "failed" else 0)
+        if getattr(threading.current_thread(), "_terminated", False):
+            # The agent stops a run by raising inside its thread (the server's hyperband or
+            # Ctrl-C): TrialRunner saw an exception, so record what it really was.
+            self.ledger.restate(trial.id, "stopped" if self.interrupted.is_set() else "pruned")
+
+    @contextlib.contextmanager
+    def _ctrl_c_remembered(self) -> Iterator[None]:
+        """The agent swallows Ctrl-C: remember it, to stop after the trial."""
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            self.interrupted.set()
             signal.default_int_handler(signum, frame)
 
-        # signal() works only there
-        main_thread = threading.current_thread() is threading.main_thread()
-        if main_thread:
-            signal.signal(signal.SIGINT, on_sigint)
-        started = time.monotonic()
+        if threading.current_thread() is not threading.main_thread():  # signal() works only there
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            # One agent per trial, so n_trials, --timeout and errors are checked between runs.
-            while (
-                not loop.ledger.done()
-                and (s.timeout is None or time.monotonic() - started < s.timeout)
-                and not errors
-                and not interrupted.is_set()
-            ):
-                wandb.agent(
-                    sweep_id, function=one_trial, count=1, project=s.study_name, entity=entity
-                )
+            yield
         finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, previous)
-        if errors:
-            raise errors[0]
-        if interrupted.is_set():
-            raise KeyboardInterrupt
+            signal.signal(signal.SIGINT, previous)
 
 
 def _sweep_run(
@@ -524,10 +562,3 @@ def _checkpoint_history(checkpoint: Path | None, metric: str) -> list[dict[str, 
         return []
     state = runs.read_json(checkpoint / "trainer_state.json")
     return [{metric: h[metric]} for h in state.get("log_history", []) if metric in h]
-
-
-def _restate(output_dir: Path, trial_id: str, state: str) -> None:
-    for record in runs.read_trials(output_dir):
-        if record.id == trial_id and record.state == "failed":
-            record.finish(state)
-            (Path(record.run_dir) / "error.log").unlink(missing_ok=True)

@@ -2,8 +2,9 @@
 
 - `_backend`: `RayBackend`, which runs the sweep as rounds of ``tune.Tuner.fit``;
 - `_search`: what to try (hpsweep's space as Tune's, Tune's own searchers and schedulers);
-- `_trial`: what runs inside a Tune trial (its claim, its training, its report);
-- `_cluster`: connecting to the cluster and shipping the space file and runs to its nodes.
+- `_trial`: what runs inside a Tune trial (its claim from the ledger, its training, its report);
+- `_cluster`: connecting to the cluster and shipping the space file and runs to its nodes;
+- `_stopping`: how Ctrl-C, SIGTERM and a trial's user error stop a Tune round.
 """
 
 from hpsweep.search.backends._ray._backend import RayBackend

@@ -1,7 +1,9 @@
 """The Ray Tune backend: the same space file, run by Ray Tune on this machine or on a Ray cluster.
 
-Ray decides what to try and where trials run; the sweep's ledger (`hpsweep.search.ledger`) counts them
-and runs cut-short ones again, as for every backend (DESIGN.md, section 5):
+Ray decides what to try and where trials run: an executor backend (see `Backend`). The sweep's
+ledger (`hpsweep.search.ledger`) counts, numbers, leases and runs cut-short trials again, through
+the calls the search layer's loop makes, here on the driver between rounds and on the workers
+where trials start (DESIGN.md, section 5):
 
 - Tune's search algorithm picks params (``--sampler tpe``: Optuna's TPE through Tune's
   `OptunaSearch`; ``random``), its scheduler (``--scheduler fifo|asha|hyperband|pbt``) stops,
@@ -10,15 +12,18 @@ and runs cut-short ones again, as for every backend (DESIGN.md, section 5):
 - The driver runs Tune in rounds, each its own Tune experiment in ``<output-dir>/.ray/`` (or
   ``--storage``). First a round that runs again the trials the ledger holds as cut short (a
   killed command, a dead worker, Ctrl-C), each with its params, in its folder, from its latest
-  checkpoint; then rounds of new trials, as many as the ledger still needs, until it holds
-  ``--n-trials`` finished (complete or pruned) trials, the timeout passed, or
-  ``--max-failed-trials`` trials of this command failed. Each round's Optuna searcher starts from
-  the results of the finished trials. So the same command continues a stopped sweep;
-  ``--resume`` is accepted and changes nothing.
+  checkpoint; then rounds of new trials, as many as the ledger still needs (`Ledger.needed`),
+  numbered from `Ledger.next_number`, until it holds ``--n-trials`` finished (complete or
+  pruned) trials, the timeout passed, or ``--max-failed-trials`` trials of this command failed.
+  Each round's Optuna searcher starts from the results of the finished trials. So the same
+  command continues a stopped sweep; ``--resume`` is accepted and changes nothing.
 - Each Tune trial takes its lease from the ledger on its worker before it trains (see
-  `._ray_trial`): two commands on one folder share the work, and a failed trial is recorded
+  `._trial`): two commands on one folder share the work, and a failed trial is recorded
   while another runs instead. Tune's ``FailureConfig`` retries a trial whose worker died within
-  a round; one whose workers died in two rounds of one command is recorded as failed.
+  a round.
+- After a round the driver tells the ledger what Tune saw and the trials could not record
+  (`Ledger.settle`): a trial the sweep's stop cut short runs again, not ``pruned``; one whose
+  workers died in two rounds of one command is recorded as failed.
 
 Each evaluation is reported to Tune with the metrics, ``objective`` and, when one was saved at
 that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*``, with
@@ -26,28 +31,21 @@ that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*`
 (``{"learning_rate": tune.loguniform(1e-5, 1e-3)}``); ``model_init(trial)`` and ``hp_name(trial)``
 may index the trial like a dict (``trial["learning_rate"]``).
 
-This module holds the backend's settings and the rounds; three private helpers beside it carry
-the rest: `._ray_search` (the space, search algorithms and schedulers in Tune's terms),
-`._ray_trial` (what runs on the workers) and `._ray_cluster` (joining a cluster, nodes
-without ``--output-dir``).
+This module holds the backend's settings and the rounds; private helpers beside it carry the
+rest: `._search` (the space, search algorithms and schedulers in Tune's terms), `._trial` (what
+runs on the workers), `._cluster` (joining a cluster, nodes without ``--output-dir``) and
+`._stopping` (how a signal or a user error stops a round).
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import dataclasses
-import logging
 import math
-import os
 import secrets
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +77,17 @@ from hpsweep.search.backends._ray._search import (
     tune_space,
     worst_of,
 )
+from hpsweep.search.backends._ray._stopping import StopOnUserError, StopSignals
 from hpsweep.search.backends._ray._trial import (
     AGAIN_KEY,
     METRIC,
     USER_ERROR_KEY,
     RoundPlan,
+    record_id,
     trainable,
+    trial_name,
 )
-from hpsweep.search.ledger import AGAIN
+from hpsweep.search.ledger import AGAIN, Ledger
 from hpsweep.search.loop import RESTARTS_PER_WORKER
 from hpsweep.search.space import Float, Int
 from hpsweep.train.arguments import apply_params, field_types
@@ -95,10 +96,8 @@ EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
 # How long the driver waits, after a round, for its actors to record their trials' endings (after a
 # stop, those on this host; always, the runs shipped from nodes without --output-dir): a stopped
-# trial's actor waits up to 8 s for its ending (see _ray_trial.trainable).
+# trial's actor waits up to 8 s for its ending (see _trial.trainable).
 ENDINGS_WAIT_S = 15.0
-# rounds of one command in which a trial's worker died before it is recorded failed
-DEATHS_TO_FAIL = 2
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -115,7 +114,7 @@ class RayBackend(Backend):
     trial for ASHA/HyperBand), ``reduction_factor``, ``perturbation_interval`` (PBT, in
     evaluations), ``storage`` (Ray's storage path or URI), ``name`` (the Tune experiments' name).
     ``scheduler=`` / ``sampler=`` (``search_alg=``) take Tune's own objects too, and transformers'
-    other ``tune.run`` keywords are read by `._ray_search.tune_run_keywords`.
+    other ``tune.run`` keywords are read by `._search.tune_run_keywords`.
     """
 
     name = "ray"
@@ -140,7 +139,21 @@ class RayBackend(Backend):
     def __init__(self, settings: SearchSettings) -> None:
         super().__init__(settings)
         self.native = native_space(settings.hp_space)  # Ray Tune domains from hp_space(None), if so
-        # Tune's own scheduler and search algorithm objects, as given (a copy per round)
+        self._choose_search(settings)
+        self._check_search(settings)
+        self.resources = _resources(settings)
+        self.storage_path = _storage_path(settings)
+        self.max_failures = int(settings.options.get("max_failures", 1))
+        # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
+        # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
+        # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
+        self.reuse_actors = bool(settings.options.get("reuse_actors", True))
+        # Tune trials that ended in ERROR (their worker died), in this command
+        self._workers_lost = 0
+
+    def _choose_search(self, settings: SearchSettings) -> None:
+        """Tune's scheduler and search algorithm: objects given as they are (a copy per round),
+        or by name."""
         self.scheduler_object, self.sampler_object = (
             None if isinstance(v, (str, type(None))) else v
             for v in (settings.scheduler, settings.sampler)
@@ -157,6 +170,9 @@ class RayBackend(Backend):
         )
         # One made with its own metric (PBT(metric="eval_acc", ...)) ranks trials by it, not the objective
         self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
+
+    def _check_search(self, settings: SearchSettings) -> None:
+        """The combinations Tune cannot run, as user errors before anything is written."""
         if self.scheduler_name == "pbt" and self.sampler_name != "random":
             raise UserError(
                 "--scheduler pbt chooses params itself and takes no search algorithm; "
@@ -182,36 +198,6 @@ class RayBackend(Backend):
                 "--scheduler pbt mutates a `space` dict (or an hp_space of Ray Tune domains); "
                 "declare `space` instead of a define-by-run hp_space"
             )
-        resources = dict(settings.resources_per_trial)
-        unknown = sorted(set(resources) - {"cpu", "gpu"})
-        if unknown:
-            raise UserError(
-                f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
-            )
-        if resources.get("cpu", 1.0) < 0 or resources.get("gpu", 0.0) < 0:
-            raise UserError(f"--resources-per-trial {resources}: resources cannot be negative")
-        # A data-parallel trial (--processes-per-trial N) runs N processes forked by its Tune worker:
-        # a CPU for each by default, as the GPUs are one per process (`hpsweep.devices.plan`).
-        self.resources = {
-            "cpu": resources.get("cpu", float(settings.processes_per_trial)),
-            "gpu": resources.get("gpu", 0.0),
-        }
-        storage = settings.options.get("storage") or settings.storage
-        if storage and "://" in str(storage):
-            self.storage_path = str(storage)
-        else:
-            self.storage_path = str(
-                Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR
-            )
-        self.max_failures = int(settings.options.get("max_failures", 1))
-        # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
-        # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
-        # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
-        self.reuse_actors = bool(settings.options.get("reuse_actors", True))
-        # Rounds in which Tune saw each trial's worker die, in this command.
-        self._deaths: collections.Counter[str] = collections.Counter()
-        # Tune trials that ended in ERROR (their worker died), in this command
-        self._workers_lost = 0
 
     # --- running ------------------------------------------------------------------------------------
 
@@ -224,24 +210,10 @@ class RayBackend(Backend):
     def run(self, loop: Any) -> None:
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
         runner = self._runner(loop.runner)
-        job = getattr(loop.runner, "job", None)
-        pickle_space_modules_by_value(
-            []
-            if job is None
-            else [
-                job.model_init,
-                job.hp_space,
-                job.hp_name,
-                job.compute_metrics,
-                job.objective,
-                type(job.args),
-                job.trainer_cls,
-                *map(type, job.callbacks),
-            ]
-        )
+        _pickle_user_code(loop.runner)
         with (
             connected(self.settings.address, self.resources["cpu"]),
-            _StopSignals() as signals,
+            StopSignals() as signals,
             output_dir_marker(self.settings.output_dir) as marker,
         ):
             if (
@@ -262,7 +234,7 @@ class RayBackend(Backend):
                 worst_extra=worst_of(self.own_metric),
             )
             while deadline is None or time.time() < deadline:
-                if not self._next_round(loop, runner, plan, signals):
+                if not self._next_round(loop.ledger, runner, plan, signals):
                     return
                 loop.check_failures()
 
@@ -282,98 +254,116 @@ class RayBackend(Backend):
         runner.job = dataclasses.replace(job, hp_space=None)
         return runner
 
-    def _next_round(self, loop: Any, runner: Any, plan: RoundPlan, signals: _StopSignals) -> bool:
-        """Run the next Tune round; False when the ledger needs none."""
-        ledger = loop.ledger
+    def _next_round(
+        self, ledger: Ledger, runner: Any, plan: RoundPlan, signals: StopSignals
+    ) -> bool:
+        """Run the next Tune round: the trials waiting to run again, else the new trials the
+        ledger still needs; False when it needs none and no trial runs anywhere."""
         with ledger.locked():
             ledger.reap()
-            records = runs.read_trials(ledger.output_dir)
-            live = [lease for lease in ledger.leases() if lease.alive()]
-        waiting = [r for r in records if r.state == AGAIN]
+            records = ledger.records(fresh=True)
+            needed, live, first = ledger.needed(), ledger.live(), ledger.next_number()
+        waiting = {r.id: r for r in records if r.state == AGAIN}
         if waiting:
-            again = {r.id: dataclasses.asdict(r) for r in waiting}
-            self._round(
-                ledger, runner, dataclasses.replace(plan, again=again), records, live, signals
+            plan = dataclasses.replace(
+                plan, again={i: dataclasses.asdict(r) for i, r in waiting.items()}
             )
+            namer = _TrialNamer(first, again={i: r.number for i, r in waiting.items()})
+            self._round(ledger, runner, plan, self._again_search(plan, namer), signals)
             return True
-        n = self.settings.n_trials
-        need = (
-            max(2 * self.settings.n_jobs, 4)
-            if n is None
-            else n - ledger.finished(records) - len(live)
-        )
+        # without --n-trials: rounds of a few trials each, until the timeout
+        need = max(2 * self.settings.n_jobs, 4) if needed is None else needed
         if need > 0:
-            self._round(ledger, runner, plan, records, live, signals, new=need)
+            search = self._new_search(records, plan, need, _TrialNamer(first))
+            self._round(ledger, runner, plan, search, signals)
         elif live:
             # other commands' trials run: they may end cut short and need running again
             time.sleep(WAIT_S)
         return need > 0 or bool(live)
 
+    def _again_search(self, plan: RoundPlan, namer: _TrialNamer) -> _RoundSearch:
+        """The trials to run again, as they are: one each, no searcher, no scheduler."""
+        return _RoundSearch(
+            param_space={AGAIN_KEY: tune.grid_search(sorted(plan.again))},
+            search_alg=VariantGenerator(None, max_concurrent=self.settings.n_jobs),
+            scheduler=None,
+            samples=1,
+            namer=namer,
+        )
+
+    def _new_search(
+        self, records: list[runs.TrialRecord], plan: RoundPlan, new: int, namer: _TrialNamer
+    ) -> _RoundSearch:
+        """``new`` new trials, from a fresh copy of the search algorithm and the scheduler
+        (Optuna's TPE starts from the ``records``)."""
+        s, param_space = self.settings, self.param_space
+        define_by_run = s.hp_space is not None and self.native is None
+        search_alg = (
+            fresh_copy(self.sampler_object)
+            if self.sampler_object
+            else search_algorithm(
+                s,
+                self.sampler_name,
+                param_space,
+                define_by_run,
+                records,
+                plan.deadline,
+                explicit_metric=self.own_metric is not None,
+            )
+        )
+        trial_scheduler = (
+            fresh_copy(self.scheduler_object)
+            if self.scheduler_object
+            else scheduler(s, self.scheduler_name, param_space, plan.budget)
+        )
+        return _RoundSearch(param_space, search_alg, trial_scheduler, new, namer)
+
     def _round(
         self,
-        ledger: Any,
+        ledger: Ledger,
         runner: Any,
         plan: RoundPlan,
-        records: list[runs.TrialRecord],
-        live: list[Any],
-        signals: _StopSignals,
-        *,
-        new: int = 0,
+        search: _RoundSearch,
+        signals: StopSignals,
     ) -> None:
-        s = self.settings
-        single = not s.multi_objective
-        first = 1 + max(
-            [r.number for r in records] + [_lease_number(lease) for lease in live], default=-1
+        """One Tune experiment of the trials ``search`` makes, then what its end leaves on disk."""
+        stopper = StopOnUserError(signals.stop_file)
+        tuner = tune.Tuner(
+            tune.with_resources(trainable(runner, plan), self.resources),
+            param_space=search.param_space,
+            tune_config=self._tune_config(search),
+            run_config=self._run_config(stopper),
         )
-        if plan.again:  # the trials to run again, as they are: no searcher, no scheduler
-            numbers = {r["id"]: r["number"] for r in plan.again.values()}
-            param_space: dict[str, Any] = {AGAIN_KEY: tune.grid_search(sorted(plan.again))}
-            search_alg, trial_scheduler, samples = (
-                VariantGenerator(None, max_concurrent=s.n_jobs),
-                None,
-                1,
-            )
-            namer = _TrialNamer(first, offset=0, numbers=numbers)
-        else:
-            param_space, samples = self.param_space, new
-            define_by_run = s.hp_space is not None and self.native is None
-            search_alg = (
-                fresh_copy(self.sampler_object)
-                if self.sampler_object
-                else search_algorithm(
-                    s,
-                    self.sampler_name,
-                    param_space,
-                    define_by_run,
-                    records,
-                    plan.deadline,
-                    explicit_metric=self.own_metric is not None,
-                )
-            )
-            trial_scheduler = (
-                fresh_copy(self.scheduler_object)
-                if self.scheduler_object
-                else scheduler(s, self.scheduler_name, param_space, plan.budget)
-            )
-            namer = _TrialNamer(first, offset=1 if self.sampler_name == "tpe" else 0)
-        run_metric = single and self.own_metric is None  # a user's object with its own takes none
-        tune_config = tune.TuneConfig(
+        with signals.tune_running():
+            results = tuner.fit()
+        trials = results._experiment_analysis.trials
+        _await_shipped_runs(trials, self.settings.output_dir)
+        collect_shipped_runs(trials, self.settings.output_dir)
+        self._after_round(ledger, trials, results, stopper, signals)
+
+    def _tune_config(self, search: _RoundSearch) -> tune.TuneConfig:
+        s = self.settings
+        # a user's scheduler or search algorithm with its own metric takes none from the config
+        run_metric = not s.multi_objective and self.own_metric is None
+        return tune.TuneConfig(
             metric=METRIC if run_metric else None,
             mode=mode(s.directions[0]) if run_metric else None,
-            search_alg=search_alg,
-            scheduler=trial_scheduler,
-            num_samples=samples,
+            search_alg=search.search_alg,
+            scheduler=search.scheduler,
+            num_samples=search.samples,
             max_concurrent_trials=s.n_jobs,
             reuse_actors=self.reuse_actors,
-            trial_name_creator=namer,
-            trial_dirname_creator=namer,
+            trial_name_creator=search.namer,
+            trial_dirname_creator=search.namer,
         )
-        stopper = _StopOnUserError(signals.stop_file)
+
+    def _run_config(self, stopper: StopOnUserError) -> tune.RunConfig:
+        s = self.settings
         # Tune's copies of the checkpoints: 2 a trial, except under PBT, which restores a trial from
         # another's checkpoint some time after choosing it; by then that trial may have saved two
         # more and Tune deleted the one chosen (a trial failed so in CI; Ray warns of num_to_keep <= 2).
         keep = None if self.scheduler_name == "pbt" else 2
-        run_config = tune.RunConfig(
+        return tune.RunConfig(
             name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
             f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path,
@@ -384,18 +374,6 @@ class RayBackend(Backend):
             progress_reporter=None,
             log_to_file=False,
         )
-        tuner = tune.Tuner(
-            tune.with_resources(trainable(runner, plan), self.resources),
-            param_space=param_space,
-            tune_config=tune_config,
-            run_config=run_config,
-        )
-        with signals.tune_running():
-            results = tuner.fit()
-        trials = results._experiment_analysis.trials
-        _await_shipped_runs(trials, s.output_dir)
-        collect_shipped_runs(trials, s.output_dir)
-        self._reconcile(ledger, trials, results, stopper, signals)
 
     def _evaluation_budget(self, runner: Any) -> int | None:
         """How many evaluations a full trial makes, when the arguments say so without the data."""
@@ -419,17 +397,16 @@ class RayBackend(Backend):
 
     # --- after a round ------------------------------------------------------------------------------
 
-    def _reconcile(
+    def _after_round(
         self,
-        ledger: Any,
+        ledger: Ledger,
         trials: list[Any],
         results: Any,
-        stopper: _StopOnUserError,
-        signals: _StopSignals,
+        stopper: StopOnUserError,
+        signals: StopSignals,
     ) -> None:
-        """Make trial.json say what Tune did where a trial could not say so itself: a trial the
-        sweep's stop cut short runs again, not ``pruned``; a trial whose worker died runs again,
-        unless that happened in `DEATHS_TO_FAIL` rounds (then it failed)."""
+        """Tell the ledger what Tune did where a trial could not record it itself (`Ledger.settle`),
+        then end the sweep on a user error, a signal or too many lost workers."""
         user_error = next(
             (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
         )
@@ -437,28 +414,20 @@ class RayBackend(Backend):
         # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut
         # short (a trial that saw the stop file said so itself; one on a node without it could not).
         stops = [t for t in (signals.stopped_at, stopper.stopped_at) if t is not None]
-        stopped_at = min(stops) if stops else math.inf
+        ids = [record_id(t) for t in trials]
         if stops:
-            _await_endings(ledger, {str(t.config.get(AGAIN_KEY) or t.trial_id) for t in trials})
-        records = {r.id: r for r in runs.read_trials(ledger.output_dir)}
+            # Tune's fit() returns once it asked the round's actors to stop, not once they are gone
+            ledger.wait_for_endings(ids, ENDINGS_WAIT_S)
+        lost = {record_id(t) for t in trials if t.status == "ERROR"}
+        self._workers_lost += sum(t.status == "ERROR" for t in trials)
         with ledger.locked():
-            for tune_trial in trials:
-                died = tune_trial.status == "ERROR"
-                self._workers_lost += died
-                record = records.get(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
-                if record is None:
-                    continue
-                if record.state == "pruned" and (record.finished_at or 0) >= stopped_at:
-                    record.finish(AGAIN, error="the sweep stopped while it ran")
-                elif died and record.state in ("running", AGAIN):
-                    self._deaths[record.id] += 1
-                    if self._deaths[record.id] >= DEATHS_TO_FAIL:
-                        record.finish(
-                            "failed",
-                            error=f"its Ray worker died in {self._deaths[record.id]} rounds "
-                            "of Tune; see Ray's logs (out of memory?)",
-                        )
-            ledger.reap()  # workers that died with the round: their trials run again
+            ledger.settle(
+                ids,
+                stopped_at=min(stops) if stops else None,
+                lost=lost,
+                lost_error="its Ray worker died in {times} rounds of Tune; "
+                "see Ray's logs (out of memory?)",
+            )
         if user_error:
             raise UserError(str(user_error))
         if signals.stopped_at is not None:
@@ -471,117 +440,89 @@ class RayBackend(Backend):
             )
 
 
-class _StopOnUserError(tune.Stopper):
-    """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...)."""
+@dataclasses.dataclass
+class _RoundSearch:
+    """What one Tune round tries: its param space, search algorithm, scheduler, number of samples
+    and the namer that numbers its trials."""
 
-    def __init__(self, stop_file: Path) -> None:
-        self.stop_file = stop_file
-        self.stopped_at: float | None = None
-
-    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if USER_ERROR_KEY in result and self.stopped_at is None:
-            self.stopped_at = time.time()
-            self.stop_file.touch()
-        return self.stopped_at is not None
-
-    def stop_all(self) -> bool:
-        return self.stopped_at is not None
+    param_space: dict[str, Any]
+    search_alg: Any
+    scheduler: Any
+    samples: int
+    namer: _TrialNamer
 
 
-class _StopSignals:
-    """Ctrl-C and SIGTERM stop the sweep alike: inside a Tune round, SIGTERM becomes the SIGINT
-    that Tune stops its trials on (noticed in Tune's log, as Tune only logs it); between rounds,
-    either is an `Interrupted` at once."""
-
-    def __init__(self) -> None:
-        self.signum = signal.SIGINT
-        self.stopped_at: float | None = None  # when Tune began to stop the round on a signal
-        self.stop_file = Path(os.devnull)  # set per command: see _ray_cluster.stop_file
-        self._in_tune = False
-        self._logger = logging.getLogger("ray.tune.tune")
-
-    def __enter__(self) -> _StopSignals:
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.signum = signal.SIGTERM
-        if self._in_tune:
-            signal.raise_signal(signal.SIGINT)
-            return
-        raise Interrupted(signal.SIGTERM)
-
-    @contextlib.contextmanager
-    def tune_running(self) -> Iterator[None]:
-        watch = _InterruptWatch(self)
-        saved = self._logger.level, self._logger.propagate
-        self._logger.setLevel(logging.WARNING)
-        self._logger.propagate = False  # watched, not printed: the CLI says it in one line
-        self._logger.addHandler(watch)
-        self._in_tune = True
-        try:
-            yield
-        finally:
-            self._in_tune = False
-            self._logger.removeHandler(watch)
-            self._logger.setLevel(saved[0])
-            self._logger.propagate = saved[1]
+def _resources(settings: SearchSettings) -> dict[str, float]:
+    """What each trial reserves: ``--resources-per-trial``, by default a CPU per process of a
+    data-parallel trial (``--processes-per-trial N`` runs N processes forked by its Tune worker),
+    as the GPUs are one per process (`hpsweep.devices.plan`)."""
+    resources = dict(settings.resources_per_trial)
+    unknown = sorted(set(resources) - {"cpu", "gpu"})
+    if unknown:
+        raise UserError(
+            f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
+        )
+    if resources.get("cpu", 1.0) < 0 or resources.get("gpu", 0.0) < 0:
+        raise UserError(f"--resources-per-trial {resources}: resources cannot be negative")
+    return {
+        "cpu": resources.get("cpu", float(settings.processes_per_trial)),
+        "gpu": resources.get("gpu", 0.0),
+    }
 
 
-class _InterruptWatch(logging.Handler):
-    """Notices Tune's graceful stop on Ctrl-C, which Tune reports only as a log warning."""
+def _storage_path(settings: SearchSettings) -> str:
+    """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``DIR/.ray``."""
+    storage = settings.options.get("storage") or settings.storage
+    if storage and "://" in str(storage):
+        return str(storage)
+    return str(Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR)
 
-    def __init__(self, signals: _StopSignals) -> None:
-        super().__init__(logging.WARNING)
-        self.signals = signals
 
-    def emit(self, record: Any) -> None:
-        if "Stop signal received" in record.getMessage() and self.signals.stopped_at is None:
-            self.signals.stopped_at = time.time()
-            self.signals.stop_file.touch()
+def _pickle_user_code(runner: Any) -> None:
+    """Ship the space file and the user's own modules to the workers by value."""
+    job = getattr(runner, "job", None)
+    pickle_space_modules_by_value(
+        []
+        if job is None
+        else [
+            job.model_init,
+            job.hp_space,
+            job.hp_name,
+            job.compute_metrics,
+            job.objective,
+            type(job.args),
+            job.trainer_cls,
+            *map(type, job.callbacks),
+        ]
+    )
 
 
 class _TrialNamer:
-    """Names trials ``trial-<number>-<id>``: new trials by the order Tune creates them in, from
-    ``first``; trials run again by their own number."""
+    """Numbers and names the trials of a round ``trial-<number>-<id>`` (`trial_name`): a trial run
+    again by its own number, a new one by the order Tune creates them in, from ``first`` (the
+    ledger's `Ledger.next_number` when the round began). The name is how a worker learns the
+    number: it takes it from the ledger as its preference, or as it is on a node without the
+    ledger (see `._trial`)."""
 
-    def __init__(self, first: int, offset: int, numbers: dict[str, int] | None = None) -> None:
-        self.first = first
-        self.offset = offset  # Tune's searcher counter starts at 1, the variant generator at 0
-        self.numbers = numbers or {}
+    def __init__(self, first: int, again: dict[str, int] | None = None) -> None:
+        self.next = first
+        self.again = again or {}  # the id of a trial run again -> its number
+        self.numbers: dict[str, int] = {}  # Tune's id of a new trial -> its number
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _TrialNamer:
+        # Tune deep-copies the experiment's spec, this namer in it, for each trial it creates: the
+        # round's trials share one namer, or every new trial would get the number ``first``
+        return self
 
     def __call__(self, trial: Any) -> str:
-        again = trial.config.get(AGAIN_KEY)
-        if again in self.numbers:
-            return f"trial-{self.numbers[again]}-{trial.trial_id}"
-        counter = int(str(trial.experiment_tag).split("_", 1)[0])
-        return f"trial-{self.first + counter - self.offset}-{trial.trial_id}"
-
-
-def _await_endings(ledger: Any, trial_ids: set[str], timeout: float = ENDINGS_WAIT_S) -> None:
-    """Wait until no process on this host holds the lease of one of ``trial_ids`` (a round's
-    trials), up to ``timeout`` seconds.
-
-    Tune's ``fit()`` returns once it has asked the round's actors to stop, not once they are
-    gone: on a loaded machine an actor may still be recording its trial's ending. Waiting for
-    their leases lets `Ledger.reap` (after it) say at once, on disk, that a trial killed mid-way
-    runs again, and the command ends with nothing of its sweep still running here. Leases on
-    other hosts age out on their own (`hpsweep.search.ledger.STALE_S`); they are not waited for.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(
-            str(lease.trial) in trial_ids and lease.on_this_host and lease.alive()
-            for lease in ledger.leases()
-        ):
-            return
-        time.sleep(0.1)
+        # Tune calls it twice per trial, for its name and its folder's
+        number = self.again.get(trial.config.get(AGAIN_KEY))
+        if number is None:
+            if trial.trial_id not in self.numbers:
+                self.numbers[trial.trial_id] = self.next
+                self.next += 1
+            number = self.numbers[trial.trial_id]
+        return trial_name(number, trial.trial_id)
 
 
 def _await_shipped_runs(
@@ -606,16 +547,10 @@ def _await_shipped_runs(
             if t.status != "ERROR"
             and METRIC in (t.last_result or {})
             and USER_ERROR_KEY not in t.last_result
-            and str(t.config.get(AGAIN_KEY) or t.trial_id) not in here
+            and record_id(t) not in here
             and ((shipped := shipped_record(t)) is None or shipped.state == "running")
         ]
 
     deadline = time.monotonic() + timeout
     while pending() and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def _lease_number(lease: Any) -> int:
-    ref = lease.info.get("ref")
-    number = ref.get("number") if isinstance(ref, dict) else None
-    return number if isinstance(number, int) else -1

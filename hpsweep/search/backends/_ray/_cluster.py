@@ -1,7 +1,7 @@
 """Where Ray trials run, for the Ray Tune backend: joining a cluster or starting a local Ray, and
 carrying run folders from nodes that do not see ``--output-dir``.
 
-A private helper of the one-file backend `hpsweep.search.backends._ray` (with `._ray_trial`, the code
+A private helper of the Ray Tune backend `hpsweep.search.backends._ray` (with `._trial`, the code
 that runs on the workers); nothing here decides what to try.
 
 - `connected` joins ``--address`` (checked first, so a wrong address is one line within seconds,

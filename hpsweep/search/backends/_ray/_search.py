@@ -1,6 +1,6 @@
 """What to try, in Ray Tune's terms, for the Ray Tune backend: the space as Tune domains, an
 ``hp_space`` of Tune domains, and Tune's search algorithms and schedulers as hpsweep uses them.
-A private helper of the one-file backend `hpsweep.search.backends._ray`.
+A private helper of the Ray Tune backend `hpsweep.search.backends._ray`.
 
 Tune's search algorithms are adapted in three ways: they stop suggesting at ``--timeout``; a
 trial that gave no result (it failed, or the ledger had no place for it) is told to Optuna as

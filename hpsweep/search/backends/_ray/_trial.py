@@ -1,13 +1,15 @@
 """What runs on the Ray workers for the Ray Tune backend: the Tune trainable, and the `Trial` it
-hands the trainer. A private helper of the one-file backend `hpsweep.search.backends._ray`.
+hands the trainer. A private helper of the Ray Tune backend `hpsweep.search.backends._ray`.
 
 Each Tune trial is one call of `train_trial`, on whichever node Tune placed it. Before training
-it takes a lease from the sweep's ledger (`hpsweep.search.ledger`) under the ledger's lock, as the
-local loop does, so counting, running again and two commands on one folder work on Ray alike:
+it takes a lease from the sweep's ledger (`hpsweep.search.ledger`) under the ledger's lock, with
+the calls the search layer's loop makes (`Ledger.reap`, then a claim), so counting, running again
+and two commands on one folder work on Ray alike:
 
-- a trial of a round of new trials claims a new trial (`Ledger.claim_new`); when the ledger has
-  enough (finished, running and waiting to run again), the timeout passed or ``--max-failed-trials``
-  trials of this command failed, it returns without a record;
+- a trial of a round of new trials claims a new trial (`Ledger.claim_new`) and its number
+  (`Ledger.next_number`, preferring the one the driver put in its name, `trial_name`); when the
+  ledger has enough (finished, running and waiting to run again), the timeout passed or
+  ``--max-failed-trials`` trials of this command failed, it returns without a record;
 - a trial of a round of re-runs (its config names the trial, `AGAIN_KEY`) claims that trial
   (`Ledger.claim_trial`) and continues it in its folder from its latest checkpoint;
 - a trial Tune starts once more itself claims its own trial again: after its worker died (Tune's
@@ -15,8 +17,8 @@ local loop does, so counting, running again and two commands on one folder work 
   a scheduler paused it (HyperBand, PBT's exploit) from the checkpoint Tune hands it.
 
 On a node that does not see ``--output-dir`` there is no ledger to lock: the trial runs without
-a lease in a node-local folder shipped through Ray's storage (`NodeLocalRuns`), and the driver's
-round size alone keeps the count.
+a lease in a node-local folder shipped through Ray's storage (`NodeLocalRuns`), with the number
+the driver gave it, and the driver's round size alone keeps the count.
 
 Tune stops a trial without waiting for its function (``session.finish(timeout=0)``) and, at the
 end of a round, ends the actor: the trial's own ending (its record, the lease, a node-local folder
@@ -98,7 +100,7 @@ class RayTrial(Trial):
         self._stopped = False
         # Tune has let go of this trial: reporting again would block for ever
         self._detached = False
-        self.stop_file: Path | None = None  # see _ray_cluster.stop_file
+        self.stop_file: Path | None = None  # see `._cluster.stop_file`
 
     def report(
         self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
@@ -275,17 +277,11 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
         os.environ.setdefault(key, value)
     ctx = tune.get_context()
     params = {k: v for k, v in config.items() if k != AGAIN_KEY}
-    again_id, hint = config.get(AGAIN_KEY), _number(ctx.get_trial_name())
+    again_id, hint = config.get(AGAIN_KEY), number_in_name(ctx.get_trial_name())
     local = None
     if sees_output_dir(runner.job.output_dir, plan.marker):
-        claimed = _claim(
-            Ledger(runner.job.output_dir, plan.n_trials),
-            ctx.get_trial_id(),
-            hint,
-            params,
-            again_id,
-            plan,
-        )
+        wanted = _Wanted(ctx.get_trial_id(), hint, params, again_id)
+        claimed = _claim(Ledger(runner.job.output_dir, plan.n_trials), wanted, plan)
         if claimed is None:
             return  # nothing to run: the ledger has enough, the time is up, or another process runs it
         trial, lease = claimed
@@ -299,14 +295,37 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
     _train(runner, trial, lease, local, plan.worst_extra)
 
 
-def _claim(
-    ledger: Ledger,
-    tune_id: str,
-    hint: int,
-    params: dict[str, Any],
-    again_id: str | None,
-    plan: RoundPlan,
-) -> tuple[RayTrial, Lease] | None:
+def trial_name(number: int, tune_id: str) -> str:
+    """The name the driver gives a Tune trial, ``trial-<number>-<id>``: Tune's folder and display
+    name, and the one string of the driver's own that Tune hands a worker (`number_in_name`)."""
+    return f"trial-{number}-{tune_id}"
+
+
+def number_in_name(name: str) -> int:
+    """The number the driver gave a trial in its name (`trial_name`)."""
+    try:
+        return int(name.split("-", 2)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def record_id(tune_trial: Any) -> str:
+    """The id of the sweep's trial a Tune trial runs: the trial it runs again, or its own."""
+    return str(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What a Tune trial asks the ledger for: Tune's id, the number the driver gave it, its params
+    and, in a round of re-runs, the id of the trial to run again."""
+
+    tune_id: str
+    hint: int
+    params: dict[str, Any]
+    again_id: str | None
+
+
+def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> tuple[RayTrial, Lease] | None:
     """The trial to run and its lease, taken under the ledger's lock; None when there is none.
 
     A trial Tune starts once more may find its previous run still recording its end on another
@@ -314,7 +333,12 @@ def _claim(
     """
     patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
     while True:
-        claimed = _claim_once(ledger, tune_id, hint, params, again_id, plan)
+        with ledger.locked():
+            ledger.reap()
+            claimed = _claim_locked(ledger, wanted, plan)
+            if isinstance(claimed, tuple):
+                trial, lease = claimed
+                lease.bind(trial.id, number=trial.number)
         if claimed != "busy":
             return claimed  # type: ignore[return-value]
         if time.monotonic() > patience:
@@ -322,61 +346,41 @@ def _claim(
         time.sleep(0.2)
 
 
-def _claim_once(
-    ledger: Ledger,
-    tune_id: str,
-    hint: int,
-    params: dict[str, Any],
-    again_id: str | None,
-    plan: RoundPlan,
+def _claim_locked(
+    ledger: Ledger, wanted: _Wanted, plan: RoundPlan
 ) -> tuple[RayTrial, Lease] | str | None:
-    with ledger.locked():
-        ledger.reap()
-        earlier = next((r for r in runs.read_trials(ledger.output_dir) if r.id == tune_id), None)
-        again = None
-        if again_id is not None:  # a round of re-runs
-            claim = ledger.claim_trial(again_id)
-            if claim is None:
-                return None  # another command runs it
-            again = claim.again
-            assert again is not None
-            trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
-        # Tune starts this trial once more: a retry, or a paused trial resumed
-        elif earlier is not None:
-            if earlier.state == "running" or any(
-                lease.trial == tune_id and lease.alive() for lease in ledger.leases()
-            ):
-                return "busy"  # its previous run is still ending (recorded, but the lease is held)
-            claim = ledger.claim_trial(tune_id, states=(AGAIN, "pruned"))
-            if claim is None:
-                return None
-            # its worker died: from its own folder
-            again = claim.again if earlier.state == AGAIN else None
-            trial = RayTrial(earlier.number, params, id=tune_id, budget=plan.budget)
-        else:
-            if plan.deadline is not None and time.time() >= plan.deadline:
-                return None
-            if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
-                return None  # the driver ends the sweep with the one line saying so
-            new = ledger.claim_new()
-            if not isinstance(new, Claim):
-                return None
-            claim = new
-            trial = RayTrial(_free_number(ledger, hint), params, id=tune_id, budget=plan.budget)
-        if again is not None:
-            trial.user_attrs["again"] = again
-        claim.lease.bind(trial.id, {"number": trial.number})
-    return trial, claim.lease
-
-
-def _free_number(ledger: Ledger, hint: int) -> int:
-    """``hint`` (the driver's numbering of its round), unless another command's trial took it."""
-    taken = {r.number for r in runs.read_trials(ledger.output_dir)}
-    for lease in ledger.leases():
-        ref = lease.info.get("ref")
-        if isinstance(ref, dict) and isinstance(ref.get("number"), int) and lease.alive():
-            taken.add(ref["number"])
-    return hint if hint not in taken else max(taken) + 1
+    """`Ledger.claim_trial` for a round of re-runs or a trial Tune starts once more (a retry, a
+    paused trial resumed), `Ledger.claim_new` for a new one; ``"busy"`` while the trial's
+    previous run is still ending."""
+    if wanted.again_id is not None:  # a round of re-runs
+        claim = ledger.claim_trial(wanted.again_id)
+        if claim is None:
+            return None  # another command runs it
+        again = claim.again
+        assert again is not None
+        trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
+        trial.user_attrs["again"] = again
+        return trial, claim.lease
+    earlier = ledger.record(wanted.tune_id)
+    if earlier is not None:  # Tune starts this trial once more
+        if earlier.state == "running" or ledger.held(wanted.tune_id):
+            return "busy"  # its previous run is still ending (recorded, but the lease is held)
+        claim = ledger.claim_trial(wanted.tune_id, states=(AGAIN, "pruned"))
+        if claim is None:
+            return None
+        trial = RayTrial(earlier.number, wanted.params, id=wanted.tune_id, budget=plan.budget)
+        if earlier.state == AGAIN:  # its worker died: from its own folder
+            trial.user_attrs["again"] = claim.again
+        return trial, claim.lease
+    if plan.deadline is not None and time.time() >= plan.deadline:
+        return None
+    if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
+        return None  # the driver ends the sweep with the one line saying so
+    claim = ledger.claim_new()
+    if not isinstance(claim, Claim):
+        return None
+    number = ledger.next_number(prefer=wanted.hint)
+    return RayTrial(number, wanted.params, id=wanted.tune_id, budget=plan.budget), claim.lease
 
 
 def _unleased(
@@ -448,14 +452,6 @@ def _train(
         tune.report({USER_ERROR_KEY: user_error, **worst(runner.job.directions), **worst_extra})
     elif failed:
         tune.report({FAILED_KEY: 1.0, **worst(runner.job.directions), **worst_extra})
-
-
-def _number(trial_name: str) -> int:
-    """The number the driver gave the trial in its name (``trial-<number>-<id>``)."""
-    try:
-        return int(trial_name.split("-", 2)[1])
-    except (IndexError, ValueError):
-        return 0
 
 
 def _run_dir(runner: Any, trial: RayTrial, again: runs.TrialRecord | None) -> Path:
