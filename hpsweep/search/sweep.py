@@ -3,7 +3,8 @@
 It checks everything a user can get wrong before anything is written (each refusal is one
 `UserError` line), builds the `SearchSettings` a backend reads and the `SweepJob` every trial
 needs, then hands a `TrialLoop` over a `TrialRunner` to the chosen backend and returns the best
-run(s). Backends only decide what to try; counting, leases and records are the ledger's.
+run(s). Backends decide what to try: ask/tell backends under the loop, executor backends (Ray,
+W&B with a server) where their trials start; counting, leases and records are the ledger's.
 """
 
 from __future__ import annotations

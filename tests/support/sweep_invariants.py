@@ -1,4 +1,5 @@
-"""DESIGN.md section 5 as checks on a sweep folder: what must hold after any interruption and a rerun.
+"""The README's "When things go wrong" as checks on a sweep folder: what must hold after any
+interruption and a rerun.
 
 Shared by the contract test (every backend) and the fault-injection harness.
 """
@@ -31,7 +32,7 @@ def violations(
     before: dict[str, float] | None = None,
     model_only: bool = False,
 ) -> list[str]:
-    """Every broken promise of DESIGN 5 in ``output_dir`` after a sweep that exited 0
+    """Every broken promise of "When things go wrong" in ``output_dir`` after a sweep that exited 0
     (``model_only``: its checkpoints hold the model alone, ``save_only_model=True``)."""
     import torch
     from safetensors.torch import load_file

@@ -252,7 +252,9 @@ def _assert_finished_exactly(out: Path, n: int, cut_short: runs.TrialRecord) -> 
     # the evaluations before the stop came back with the checkpoint
     assert again.history[0]["epoch"] == 1
     assert not list((out / ".leases").iterdir())
-    assert violations(out, n) == []  # DESIGN 5, as the contract test checks it on every backend
+    assert (
+        violations(out, n) == []
+    )  # the same invariants as the contract test checks it on every backend
 
 
 def _cut_short(out: Path) -> runs.TrialRecord:
