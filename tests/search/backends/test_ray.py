@@ -540,12 +540,11 @@ def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_st
 
 def test_unreachable_address_is_one_line_and_exit_2_within_seconds(tmp_path: Path) -> None:
     space = write_space(tmp_path)
-    start = time.monotonic()
+    # within seconds: the command must end before this timeout, not after Ray's minutes of retries
     proc = hpsweep_cli(
-        "run", space, "--backend", "ray", "--address", f"127.0.0.1:{free_port()}", timeout=60
+        "run", space, "--backend", "ray", "--address", f"127.0.0.1:{free_port()}", timeout=20
     )
     assert proc.returncode == 2
-    assert time.monotonic() - start < 20
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--address" in lines[0] and "Ray cluster" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
@@ -574,7 +573,8 @@ def test_an_open_port_that_is_not_ray_is_one_line_and_exit_2_within_seconds(
     threading.Thread(target=serve, daemon=True).start()
     try:
         space = write_space(tmp_path)
-        start = time.monotonic()
+        # within seconds: the command must end before this timeout (a server that is not Ray's
+        # must not hold it)
         proc = hpsweep_cli(
             "run",
             space,
@@ -582,15 +582,13 @@ def test_an_open_port_that_is_not_ray_is_one_line_and_exit_2_within_seconds(
             "ray",
             "--address",
             f"127.0.0.1:{server.getsockname()[1]}",
-            timeout=60,
+            timeout=20,
         )
-        elapsed = time.monotonic() - start
     finally:
         server.close()
         for conn in held:
             conn.close()
     assert proc.returncode == 2, proc.stderr
-    assert elapsed < 20
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a Ray cluster" in lines[0] and "--address" in lines[0], (
         proc.stderr
