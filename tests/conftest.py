@@ -34,3 +34,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def space_file(tmp_path: Path) -> Path:
     return write_space(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def pg():
+    """A real PostgreSQL server on 127.0.0.1 (`support.postgres`), one per test process; each test
+    makes its own database with ``pg.create_database(name)``."""
+    from support.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server

@@ -352,6 +352,28 @@ class Ledger:
         record.save()
         return Claim(lease, record)
 
+    def next_trial(self, backend: Any) -> tuple[Claim, Any] | str:
+        """For the search layer's loop: under the lock, reap (closing dead trials in the backend's
+        records too), claim, ask the backend and bind the lease; the claim and its trial, or
+        ``"wait"`` / ``"done"`` as `claim` says."""
+        with self.locked():
+            for dead in self.reap():
+                if dead.info.get("ref") is not None:
+                    backend.abandon(dead.info["ref"])
+            claim = self.claim()
+            if not isinstance(claim, Claim):
+                return claim
+            try:
+                trial = backend.ask(claim.again)
+            except BaseException:
+                claim.lease.release()  # a claimed record goes back to waiting at the next reap
+                raise
+            if trial is None:  # the backend has nothing more to try (a finished grid)
+                claim.lease.release()
+                return "done"
+            claim.lease.bind(trial.id, trial.ref, number=trial.number)
+            return claim, trial
+
     # --- after trials run elsewhere -----------------------------------------------------------------
 
     def wait_for_endings(self, trial_ids: Collection[str], timeout: float) -> None:

@@ -53,10 +53,11 @@ class TrialLoop:
         settings: the search's settings.
     """
 
-    def __init__(self, runner: Any, settings: SearchSettings) -> None:
+    def __init__(self, runner: Any, settings: SearchSettings, ledger: Any = None) -> None:
         self.runner = runner
         self.settings = settings
-        self.ledger = Ledger(settings.output_dir, settings.n_trials)
+        #: `Ledger` (files) or `StudyLedger` (the study's database): both hand out trials
+        self.ledger = ledger or Ledger(settings.output_dir, settings.n_trials)
         self.started = time.time()
         self.deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
         #: The same moment as wall-clock time, for processes on other hosts (Ray workers).
@@ -70,36 +71,19 @@ class TrialLoop:
         try:
             while self.deadline is None or time.monotonic() < self.deadline:
                 stop_if_signalled()
-                with self.ledger.locked():
-                    for dead in self.ledger.reap():
-                        if dead.info.get("ref") is not None:
-                            backend.abandon(dead.info["ref"])
-                    claim = self.ledger.claim()
-                    trial = self._ask(backend, claim) if isinstance(claim, Claim) else None
-                if claim == "done" or (isinstance(claim, Claim) and trial is None):
+                got = self.ledger.next_trial(backend)
+                if got == "done":
                     return
-                if claim == "wait":
+                if got == "wait":
                     time.sleep(WAIT_S)
                     continue
-                assert isinstance(claim, Claim) and trial is not None
+                claim, trial = got
+                if claim.again is not None:
+                    trial.user_attrs["again"] = claim.again
                 self._run(backend, trial, claim)
                 self.check_failures()
         finally:
             backend.close()
-
-    def _ask(self, backend: Backend, claim: Claim) -> Trial | None:
-        try:
-            trial = backend.ask(claim.again)
-        except BaseException:
-            claim.lease.release()  # a claimed record goes back to waiting at the next reap
-            raise
-        if trial is None:
-            claim.lease.release()
-            return None
-        if claim.again is not None:
-            trial.user_attrs["again"] = claim.again
-        claim.lease.bind(trial.id, trial.ref, number=trial.number)
-        return trial
 
     def _run(self, backend: Backend, trial: Trial, claim: Claim) -> None:
         try:
@@ -113,7 +97,7 @@ class TrialLoop:
             _tell_quietly(backend, trial, "failed")
             raise
         except BaseException:
-            _tell_quietly(backend, trial, "stopped")
+            _tell_quietly(backend, trial, "stopped", self.ledger)
             raise
         else:
             backend.tell(trial, "complete", value)
@@ -284,10 +268,12 @@ def _worker_main(
     os._exit(code)
 
 
-def _tell_quietly(backend: Backend, trial: Trial, state: str) -> None:
+def _tell_quietly(backend: Backend, trial: Trial, state: str, ledger: Any = None) -> None:
     """Tell the backend while the sweep is stopping anyway; if it cannot hear it (a full disk
     under its storage), the ledger's reap closes the trial on the next run (`Backend.abandon`)."""
     try:
+        if hasattr(ledger, "ended"):
+            ledger.ended(backend.study, trial, state)
         backend.tell(trial, state)
     except Exception:  # noqa: BLE001 - the exception being raised already says why we stop
         pass

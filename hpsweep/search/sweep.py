@@ -226,6 +226,7 @@ def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, Sweep
         resources_per_trial=placement.resources,
     )
     chosen = get_backend(request.backend, settings)
+    chosen.check_study()
     hp_space = request.hp_space
     if space is None and settings.space is not None:  # the backend read a native hp_space
         space, hp_space = validate_space(settings.space), settings.hp_space  # a W&B sweep config
@@ -338,7 +339,7 @@ def run_sweep(
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
-        chosen.run(TrialLoop(TrialRunner(job, settings.backend), settings))
+        chosen.run(TrialLoop(TrialRunner(job, settings.backend), settings, chosen.ledger()))
         finished = True
     except UserError:
         if not existed and not runs.read_trials(output_dir):

@@ -32,7 +32,14 @@ from hpsweep import runs
 # RAY_ADDRESS, if the caller has one, must not send it elsewhere. Ray runs the contract's core
 # here, commands interrupted or sharing a folder; tests/search/backends/test_ray.py runs a failing
 # trial, and the core again, on its two-node cluster.
-BACKENDS = {"optuna": {}, "wandb": {"WANDB_MODE": "offline"}, "ray": {"RAY_ADDRESS": ""}}
+# "optuna+postgres" is Optuna with its study in a real PostgreSQL: the ledger's second home, the
+# study's own database (tests/search/test_many_machines.py has machines that share no folder).
+BACKENDS = {
+    "optuna": {},
+    "optuna+postgres": {},
+    "wandb": {"WANDB_MODE": "offline"},
+    "ray": {"RAY_ADDRESS": ""},
+}
 CORE_ONLY = {"ray"}
 
 
@@ -40,13 +47,27 @@ def cmd(backend: str, space: Path, n: int, *more: str) -> list[str]:
     return ["run", str(space), "--backend", backend, "--n-trials", str(n), *more]
 
 
+@pytest.fixture
+def on(request: pytest.FixtureRequest, backend: str):
+    """The command line of a sweep on ``backend`` (for the database home, on a fresh database)."""
+    storage: list[str] = []
+    if backend == "optuna+postgres":
+        name = "c" + str(abs(hash(request.node.nodeid)))
+        storage = ["--storage", request.getfixturevalue("pg").create_database(name)]
+
+    def command(space: Path, n: int, *more: str) -> list[str]:
+        return cmd(backend.split("+")[0], space, n, *storage, *more)
+
+    return command
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_interrupted_mid_trial_the_same_command_finishes(
-    tmp_path: Path, backend: str, how: int
+    tmp_path: Path, backend: str, how: int, on
 ) -> None:
     space, out, env = slow_space(tmp_path), tmp_path / "out", BACKENDS[backend]
-    proc = start(*cmd(backend, space, 3), env=env)
+    proc = start(*on(space, 3), env=env)
     assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
     proc.send_signal(how)
     _, err = proc.communicate(timeout=60)
@@ -55,7 +76,7 @@ def test_interrupted_mid_trial_the_same_command_finishes(
     assert len(cut) == 1
     before = finished_at(out)
 
-    hpsweep_cli(*cmd(backend, space, 3), env=env, check=True)
+    hpsweep_cli(*on(space, 3), env=env, check=True)
     assert violations(out, 3, before=before) == []
     again = next(r for r in runs.read_trials(out) if r.id == cut[0].id)
     assert again.state in ("complete", "pruned") and again.attempts == 2
@@ -64,7 +85,7 @@ def test_interrupted_mid_trial_the_same_command_finishes(
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in CORE_ONLY])
 def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(
-    tmp_path: Path, backend: str
+    tmp_path: Path, backend: str, on
 ) -> None:
     space = write_space(
         tmp_path,
@@ -75,7 +96,7 @@ def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(
             return Net(hidden=trial.params["hidden"])
     """,
     )
-    hpsweep_cli(*cmd(backend, space, 3), env=BACKENDS[backend], check=True)
+    hpsweep_cli(*on(space, 3), env=BACKENDS[backend], check=True)
     records = runs.read_trials(tmp_path / "out")
     failed = [r for r in records if r.state == "failed"]
     assert [r.number for r in failed] == [1] and "a bad draw" in failed[0].error
@@ -84,9 +105,11 @@ def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_two_commands_on_one_folder_finish_exactly_n_trials(tmp_path: Path, backend: str) -> None:
+def test_two_commands_on_one_folder_finish_exactly_n_trials(
+    tmp_path: Path, backend: str, on
+) -> None:
     space, env = slow_space(tmp_path, step_s=0.01), BACKENDS[backend]
-    procs = [start(*cmd(backend, space, 5), env=env) for _ in range(2)]
+    procs = [start(*on(space, 5), env=env) for _ in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err

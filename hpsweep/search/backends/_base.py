@@ -174,6 +174,18 @@ class Backend:
     def abandon(self, ref: Any) -> None:
         """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""
 
+    def check_study(self) -> None:
+        """Refuse, in one `UserError` line and before anything is written, a sweep whose stored
+        study disagrees with the command (a backend that keeps its study in a shared database)."""
+
+    def ledger(self) -> Any:
+        """The sweep's ledger: by default files under the output folder (one machine, or a folder
+        machines share); a backend whose study lives in a database machines share returns the
+        study's own (`hpsweep.search.study_ledger.StudyLedger`)."""
+        from hpsweep.search.ledger import Ledger
+
+        return Ledger(self.settings.output_dir, self.settings.n_trials)
+
     def run(self, loop: Any) -> None:
         """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers; an
         executor backend overrides it (see the class's docstring), with ``loop.ledger``."""

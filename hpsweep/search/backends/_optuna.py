@@ -12,15 +12,16 @@ process runs.
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from hpsweep.errors import UserError
+from hpsweep.errors import UserError, hide_password
 from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.backends._journal import journal_storage
 from hpsweep.search.space import Distribution, Float, Int
@@ -185,7 +186,21 @@ class OptunaBackend(Backend):
             )
             _fast_sqlite(storage)
             return storage
+        if self.shared:
+            return shared_database(url, hide_password(url))
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the study is in a database that machines share: it is then the ledger."""
+        return self.journal is None and not self.storage_url.startswith("sqlite")
+
+    def ledger(self) -> Any:
+        if not self.shared:
+            return super().ledger()
+        from hpsweep.search.study_ledger import StudyLedger
+
+        return StudyLedger(self.settings.output_dir, self.settings.n_trials)
 
     def load_study(self, stream: int = 0) -> optuna.Study:
         # Processes starting together race to create the tables and the study: try again.
@@ -218,6 +233,8 @@ class OptunaBackend(Backend):
             if type(exc).__module__.startswith("sqlalchemy"):
                 raise _StorageError(type(exc).__name__) from None
             raise
+        if self.shared:
+            self._keep_home(study)
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
             raise UserError(
@@ -225,6 +242,81 @@ class OptunaBackend(Backend):
                 f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir"
             )
         return study
+
+    # --- the study a sweep on many machines shares ---------------------------------------------------
+
+    def check_study(self) -> None:
+        """Refuse, before anything is written (not even to the study), a command that does not
+        match the study it names: another home, other directions, another space."""
+        if not self.shared:
+            return
+        storage = self._storage_or_error(check=True)
+        try:
+            self._check_stored(storage)
+        finally:
+            _close(storage)
+
+    def _check_stored(self, storage: optuna.storages.BaseStorage) -> None:
+        from hpsweep.search.study_ledger import check_home
+
+        s = self.settings
+        try:
+            study_id = storage.get_study_id_from_name(s.study_name)
+        except KeyError:
+            return  # a new study: nothing to disagree with
+        label = hide_password(self.storage_url)
+        check_home(storage.get_study_user_attrs(study_id), self.home, s.study_name, label)
+        stored = [d.name.lower() for d in storage.get_study_directions(study_id)]
+        if stored != s.directions:
+            raise UserError(
+                f"study {s.study_name!r} in {label} was created to {', '.join(stored)}, not "
+                f"{', '.join(s.directions)}; keep the direction, or use another --study-name"
+            )
+        done = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        for name, dist in (s.space or {}).items() if done else ():
+            known = done[-1].distributions.get(name)
+            if known is not None and known != _optuna_distribution(dist):
+                raise UserError(
+                    f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} in "
+                    f"{label} recorded ({known}); keep the space, or use another --study-name"
+                )
+
+    def _checking_storage(self) -> optuna.storages.RDBStorage:
+        from sqlalchemy.pool import NullPool
+
+        return optuna.storages.RDBStorage(self.storage_url, engine_kwargs={"poolclass": NullPool})
+
+    @property
+    def home(self) -> str:
+        """The sweep's home as the study keeps it."""
+        return str(self.settings.output_dir)
+
+    def _keep_home(self, study: optuna.Study) -> None:
+        from hpsweep.search.study_ledger import HOME, check_home
+
+        attrs = study.user_attrs
+        check_home(attrs, self.home, study.study_name, hide_password(self.storage_url))
+        if HOME not in attrs:
+            study.set_user_attr(HOME, self.home)
+
+    def _storage_or_error(self, *, check: bool = False) -> optuna.storages.BaseStorage:
+        """The storage, or one line saying why it cannot be opened. ``check``: for a look before
+        the workers start, holding no connection afterwards (a forked worker must not share one)."""
+        try:
+            if check and self.storage_url.startswith("grpc://"):
+                return self._storage()
+            if check and "://" in self.storage_url:
+                return _retry_race(self._checking_storage)
+            return self._storage()
+        except ImportError as exc:
+            raise UserError(f"--storage {hide_password(self.storage_url)}: {exc}") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("sqlalchemy"):
+                raise UserError(
+                    f"--storage {hide_password(self.storage_url)} cannot be opened "
+                    f"({type(exc).__name__}); check the URL and that the database is reachable"
+                ) from None
+            raise
 
     # --- asking and telling ------------------------------------------------------------------------------
 
@@ -243,7 +335,6 @@ class OptunaBackend(Backend):
     def ask(self, again: Any = None) -> OptunaTrial | None:
         study = self.study
         assert study is not None, "open() first"
-        s = self.settings
         # the same params again, as a new Optuna trial (the cut-short one is FAIL)
         if again is not None:
             study.enqueue_trial(
@@ -251,11 +342,17 @@ class OptunaBackend(Backend):
             )
         elif self._grid_done(study):
             return None
-        trial = OptunaTrial(
-            study.ask(), s.multi_objective, number=None if again is None else again.number
-        )
-        if again is not None:
-            trial.id = again.id
+        return self.wrap(study.ask(), again)
+
+    def wrap(self, asked: optuna.Trial, again: Any = None) -> OptunaTrial:
+        """The `Trial` of the Optuna trial ``asked``, its space's params suggested; with ``again``
+        (the record of the trial it runs again) that trial's number and id."""
+        study, s = self.study, self.settings
+        assert study is not None
+        number, trial_id = _again_identity(asked, again)
+        trial = OptunaTrial(asked, s.multi_objective, number=number)
+        if trial_id is not None:
+            trial.id = trial_id
         for name, dist in (s.space or {}).items():
             try:
                 suggest(trial, name, dist)
@@ -268,6 +365,17 @@ class OptunaBackend(Backend):
         return trial
 
     def tell(self, trial: Any, state: str, value: Any = None) -> None:
+        try:
+            self._tell(trial, state, value)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # another machine judged this trial's process dead (its heartbeat stopped while the
+            # database was away) and runs it again; that run records it
+            print(
+                f"hpsweep: trial {trial.number} runs again elsewhere; this run's end is not counted",
+                file=sys.stderr,
+            )
+
+    def _tell(self, trial: Any, state: str, value: Any = None) -> None:
         assert self.study is not None
         if state == "complete":
             self.study.tell(trial._trial, value)
@@ -293,6 +401,79 @@ class OptunaBackend(Backend):
     def _grid_done(study: optuna.Study) -> bool:
         sampler = study.sampler
         return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
+
+
+def _close(storage: optuna.storages.BaseStorage) -> None:
+    """Let go of ``storage``'s connections, so that no forked worker shares them."""
+    storage = getattr(storage, "inner", storage)
+    if isinstance(storage, optuna.storages.RDBStorage):
+        storage.engine.dispose()
+    elif isinstance(storage, optuna.storages.GrpcStorageProxy):
+        storage.close()
+
+
+def _retry_race(open_it: Callable[[], Any]) -> Any:
+    """``open_it()``, again after a moment when it lost a race with another process creating the
+    same tables or study (machines started together)."""
+    import sqlalchemy.exc
+
+    for attempt in range(5):
+        try:
+            return open_it()
+        except sqlalchemy.exc.IntegrityError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _optuna_distribution(dist: Distribution) -> optuna.distributions.BaseDistribution:
+    """The Optuna distribution a space entry is sampled from (`suggest`)."""
+    if isinstance(dist, Float):
+        return optuna.distributions.FloatDistribution(
+            dist.low, dist.high, log=dist.log, step=dist.step
+        )
+    if isinstance(dist, Int):
+        return optuna.distributions.IntDistribution(
+            dist.low, dist.high, log=dist.log, step=dist.step
+        )
+    return optuna.distributions.CategoricalDistribution(list(dist.choices))
+
+
+def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | None]:
+    """The number and id a trial that runs another again takes: from that trial's record, or
+    from what its enqueued copy carries in the study (`hpsweep.search.study_ledger`)."""
+    if again is not None:
+        return again.number, again.id
+    from hpsweep.search.study_ledger import AGAIN_ID, AGAIN_NUMBER
+
+    attrs = asked.user_attrs
+    if AGAIN_ID in attrs:
+        return int(attrs[AGAIN_NUMBER]), str(attrs[AGAIN_ID])
+    return None, None
+
+
+def shared_database(url: str, label: str) -> optuna.storages.BaseStorage:
+    """The storage of a study in a database that machines share: Optuna's heartbeat on, one
+    connection per process, and calls that wait out the database's absences."""
+    from hpsweep.search.backends._patient import PatientStorage
+    from hpsweep.search.study_ledger import GRACE_S, HEARTBEAT_S, run_again_callback
+
+    if url.startswith("grpc://"):
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+        proxy = optuna.storages.GrpcStorageProxy(host=where.hostname, port=where.port)
+        proxy.wait_server_ready(timeout=10)
+        return PatientStorage(proxy, label)
+    rdb = optuna.storages.RDBStorage(
+        url,
+        engine_kwargs={"pool_size": 1, "max_overflow": 1, "pool_pre_ping": True},
+        heartbeat_interval=HEARTBEAT_S,
+        grace_period=GRACE_S,
+        heartbeat_stale_trial_callback=run_again_callback,
+    )
+    return PatientStorage(optuna.storages.get_storage(rdb), label)
 
 
 def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:

@@ -1,0 +1,179 @@
+"""One sweep on many machines, with the study in a real PostgreSQL server (the README's "Many
+machines"). A "machine" is an `hpsweep run` process with its own working folder, HOME and temp
+dir; the machines share only the database and the sweep's home, as machines with an NFS home do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from support import free_port, slow_space, write_space
+from support.postgres import PASSWORD
+
+from hpsweep import runs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Machine:
+    """An `hpsweep run` on a machine of its own (working folder, HOME, TMPDIR)."""
+
+    def __init__(self, root: Path, name: str, *args: str) -> None:
+        folder = root / name
+        folder.mkdir()
+        env = {**os.environ, "HOME": str(folder), "TMPDIR": str(folder), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpsweep.cli", "run", *args],
+            cwd=folder,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def finish(self, timeout: float = 240) -> tuple[int, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        assert PASSWORD not in out + err
+        return self.proc.returncode, out + err
+
+
+def sweep_args(space: Path, url: str, study: str, home: Path, n_trials: int) -> list[str]:
+    return [str(space), "--storage", url, "--study-name", study, "--output-dir", str(home)] + [
+        "--n-trials",
+        str(n_trials),
+    ]
+
+
+def study_states(url: str, name: str) -> Counter:
+    study = optuna.load_study(study_name=name, storage=url)
+    return Counter(t.state.name for t in study.trials)
+
+
+def test_machines_share_one_count_one_best_and_one_home(pg, tmp_path):
+    url = pg.create_database("share")
+    space = write_space(tmp_path, epochs=1)
+    home = tmp_path / "home"
+    args = sweep_args(space, url, "s1", home, 6)
+    machines = [Machine(tmp_path, f"m{i}", *args) for i in range(3)]
+    for machine in machines:
+        code, output = machine.finish()
+        assert code == 0, output
+
+    study = optuna.load_study(study_name="s1", storage=url)
+    finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == 6  # not 6 per machine
+    assert not [t for t in study.trials if t.state.name == "RUNNING"]
+    records = runs.read_trials(home)
+    assert sorted(r.number for r in records if r.state == "complete") == sorted(
+        t.number for t in finished if t.state.name == "COMPLETE"
+    )
+    best = runs.read_best(home)
+    assert best.objective == pytest.approx(study.best_value)
+    assert (home / "best" / "model.safetensors").exists()
+
+    # A machine that names another home is refused before it writes anything, even to the study.
+    other = tmp_path / "elsewhere"
+    refused = subprocess.run(
+        [sys.executable, "-m", "hpsweep.cli", "run", *sweep_args(space, url, "s1", other, 8)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(home) in lines[0] and "--output-dir" in lines[0]
+    assert PASSWORD not in refused.stdout + refused.stderr
+    assert not other.exists()
+    assert len(optuna.load_study(study_name="s1", storage=url).trials) == len(study.trials)
+
+
+def _wait_for_checkpoint(home: Path, timeout: float = 120) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [c for run in home.glob("run-*") for c in runs.checkpoints(run)]
+        if found:
+            return found[0].parent
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint was written")
+
+
+@contextlib.contextmanager
+def storage_proxy(url: str) -> Iterator[str]:
+    """Optuna's storage proxy in front of the database ``url``, as its own process."""
+    port = free_port()
+    serve = (
+        "import optuna; optuna.storages.run_grpc_proxy_server("
+        f"optuna.storages.RDBStorage({url!r}), host='127.0.0.1', port={port})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.DEVNULL)
+    try:
+        proxy = optuna.storages.GrpcStorageProxy(host="127.0.0.1", port=port)
+        proxy.wait_server_ready(timeout=60)
+        proxy.close()
+        yield f"grpc://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@pytest.mark.parametrize("through", ["database", "proxy"])
+def test_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(pg, tmp_path, through):
+    with contextlib.ExitStack() as stack:
+        database = pg.create_database(f"dead_{through}")
+        url = stack.enter_context(storage_proxy(database)) if through == "proxy" else database
+        _kill_one_machine_and_finish(url, database, tmp_path)
+
+
+def _kill_one_machine_and_finish(url: str, database: str, tmp_path: Path) -> None:
+    space = slow_space(tmp_path, step_s=0.15)
+    home = tmp_path / "home"
+    args = sweep_args(space, url, "s2", home, 3)
+    first = Machine(tmp_path, "m0", *args)
+    run_dir = _wait_for_checkpoint(home)
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the machine is gone: no goodbye to anyone
+    first.proc.wait()
+    killed_at = time.monotonic()
+
+    code, output = Machine(tmp_path, "m1", *args).finish()
+    assert code == 0, output
+    record = runs.TrialRecord.load(run_dir / "trial.json")
+    assert record.state in ("complete", "pruned")
+    assert record.attempts == 2 and record.resumed_from is not None
+    assert (record.started_at or 0) > 0
+    assert time.monotonic() - killed_at < 120
+    states = study_states(database, "s2")
+    assert states["COMPLETE"] + states["PRUNED"] == 3
+    assert states["RUNNING"] == 0 and states["WAITING"] == 0
+    assert len([r for r in runs.read_trials(home) if r.state in ("complete", "pruned")]) == 3
+
+
+def test_a_database_restart_pauses_the_sweep_which_then_goes_on(pg, tmp_path):
+    url = pg.create_database("restart")
+    space = slow_space(tmp_path, step_s=0.1)
+    home = tmp_path / "home"
+    machine = Machine(tmp_path, "m0", *sweep_args(space, url, "s3", home, 3))
+    _wait_for_checkpoint(home)
+    pg.restart(down_s=8)
+
+    code, output = machine.finish()
+    assert code == 0, output
+    assert "unreachable" in output and "is back after" in output
+    assert "Traceback" not in output
+    states = study_states(url, "s3")
+    assert states["COMPLETE"] + states["PRUNED"] == 3
+    assert states["RUNNING"] == 0 and states["FAIL"] == 0
+    records = runs.read_trials(home)
+    assert sorted(r.state for r in records) == sorted(
+        r.state for r in records if r.state in ("complete", "pruned")
+    )
