@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import difflib
+import re
 import signal
 from collections.abc import Iterable
+
+#: ``scheme://user:password@`` in a URL: the part of a storage or server URL never to show (up to
+#: the last ``@`` before the path, so an unescaped ``@`` in the password is hidden too).
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s/]+(@)")
+
+
+def hide_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it shown as ``***``
+    (``postgresql://hp:s3cret@db/sweeps`` -> ``postgresql://hp:***@db/sweeps``)."""
+    return _URL_PASSWORD.sub(r"\1***\2", text)
 
 
 class UserError(Exception):
     """A mistake the user can fix: a bad space file, argument, parameter or setting.
 
     The message is one line that names the value, what was expected and the fix. The command
-    line prints it without a traceback and exits with code 2.
+    line prints it without a traceback and exits with code 2. A URL in it shows its password as
+    ``***``, whichever layer wrote the message: a storage URL often carries one.
     """
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        super().__init__(hide_passwords(str(message)), *args)
 
 
 class TrialFailed(Exception):

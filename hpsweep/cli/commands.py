@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hpsweep.errors import UserError
+
+#: Optuna's storage URL when ``--storage`` is not given. A Kubernetes Secret can fill it, so the
+#: database password stays off the command line, where ``ps`` and the pod's spec would show it.
+STORAGE_ENV = "HPSWEEP_STORAGE"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,8 +64,8 @@ def _add_search_options(group: Any) -> None:
     group.add_argument("--study-name", help="study name (default: the space file's name)")
     group.add_argument(
         "--storage",
-        help="optuna: a journal file's path or a storage URL such as sqlite:///study.db "
-        "(default: OUTPUT_DIR/study.journal); "
+        help="optuna: a journal file's path or a storage URL such as postgresql://... "
+        f"(default: ${STORAGE_ENV}, else OUTPUT_DIR/study.journal); "
         "ray: where Tune keeps its experiment (a path or s3://...)",
     )
     group.add_argument(
@@ -202,7 +207,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             k: v
             for k, v in {
                 "timeout": ns.timeout,
-                "storage": ns.storage,
+                "storage": _storage(ns),
                 "sampler": ns.sampler,
                 "pruner": ns.pruner,
                 "scheduler": ns.scheduler,
@@ -230,6 +235,14 @@ def cmd_run(ns: argparse.Namespace) -> int:
         )
         _print_best(best)
     return 0
+
+
+def _storage(ns: argparse.Namespace) -> str | None:
+    """``--storage``, else (on Optuna, whose storage is the study's database) ``$HPSWEEP_STORAGE``.
+    Other backends read ``--storage`` as something else (Ray: Tune's files), so not the variable."""
+    if ns.storage is not None or ns.backend != "optuna":
+        return ns.storage
+    return os.environ.get(STORAGE_ENV) or None
 
 
 def _sweep_callbacks(ns: argparse.Namespace) -> list[Any]:
