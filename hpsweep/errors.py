@@ -50,20 +50,3 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`" (did you mean 'x'?)"` for the closest candidate, or `""` when none is close."""
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def hide_password(url: str) -> str:
-    """``url`` with its password as ``***`` (``postgresql://hp:pw@db/s`` -> ``postgresql://hp:***@db/s``),
-    for every line that names a storage."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<a URL that cannot be parsed>"
-    if not password:
-        return url
-    user, _, host = parts.netloc.rpartition("@")
-    name = user.split(":", 1)[0]
-    return urlunsplit((parts.scheme, f"{name}:***@{host}", parts.path, parts.query, parts.fragment))

@@ -21,7 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsweep.errors import UserError, hide_password
+from hpsweep.errors import UserError, hide_passwords
 from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.backends._journal import journal_storage
 from hpsweep.search.space import Distribution, Float, Int
@@ -187,7 +187,7 @@ class OptunaBackend(Backend):
             _fast_sqlite(storage)
             return storage
         if self.shared:
-            return shared_database(url, hide_password(url))
+            return shared_database(url, hide_passwords(url))
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
 
     @property
@@ -264,7 +264,7 @@ class OptunaBackend(Backend):
             study_id = storage.get_study_id_from_name(s.study_name)
         except KeyError:
             return  # a new study: nothing to disagree with
-        label = hide_password(self.storage_url)
+        label = hide_passwords(self.storage_url)
         check_home(storage.get_study_user_attrs(study_id), self.home, s.study_name, label)
         stored = [d.name.lower() for d in storage.get_study_directions(study_id)]
         if stored != s.directions:
@@ -295,7 +295,7 @@ class OptunaBackend(Backend):
         from hpsweep.search.study_ledger import HOME, check_home
 
         attrs = study.user_attrs
-        check_home(attrs, self.home, study.study_name, hide_password(self.storage_url))
+        check_home(attrs, self.home, study.study_name, hide_passwords(self.storage_url))
         if HOME not in attrs:
             study.set_user_attr(HOME, self.home)
 
@@ -309,11 +309,11 @@ class OptunaBackend(Backend):
                 return _retry_race(self._checking_storage)
             return self._storage()
         except ImportError as exc:
-            raise UserError(f"--storage {hide_password(self.storage_url)}: {exc}") from None
+            raise UserError(f"--storage {hide_passwords(self.storage_url)}: {exc}") from None
         except Exception as exc:
             if type(exc).__module__.startswith("sqlalchemy"):
                 raise UserError(
-                    f"--storage {hide_password(self.storage_url)} cannot be opened "
+                    f"--storage {hide_passwords(self.storage_url)} cannot be opened "
                     f"({type(exc).__name__}); check the URL and that the database is reachable"
                 ) from None
             raise
