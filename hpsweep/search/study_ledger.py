@@ -115,6 +115,7 @@ class StudyLedger:
         self.index = runs.TrialIndex(output_dir)
         # for storages without Optuna's heartbeat: each running trial's last beat seen, and when
         self._beats: dict[int, tuple[Any, float]] = {}
+        self._reaped_at = -float("inf")
 
     def locked(self) -> Any:
         """No lock: the database orders the trials (see the module's docstring)."""
@@ -183,11 +184,15 @@ class StudyLedger:
         """Fail the trials whose process stopped beating; each runs again (`run_again_callback`).
 
         Skipped while this process's storage came back from an outage less than a grace period
-        ago: the others' heartbeats were as cut off as ours, and need time to beat again."""
-        storage = study._storage
+        ago: the others' heartbeats were as cut off as ours, and need time to beat again. Looks
+        once per `HEARTBEAT_S` at most: a heartbeat cannot go stale faster."""
+        storage, now = study._storage, time.monotonic()
         back_at = getattr(storage, "back_at", None)
-        if back_at is not None and time.monotonic() - back_at < GRACE_S + HEARTBEAT_S:
+        if back_at is not None and now - back_at < GRACE_S + HEARTBEAT_S:
             return
+        if now - self._reaped_at < HEARTBEAT_S:
+            return
+        self._reaped_at = now
         if is_heartbeat_enabled(storage):
             optuna.storages.fail_stale_trials(study)
             return

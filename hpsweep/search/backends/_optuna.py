@@ -121,6 +121,7 @@ class OptunaBackend(Backend):
             self.journal = Path(settings.storage or settings.output_dir / STUDY_FILE).resolve()
             self.storage_url = str(self.journal)
         self.study: optuna.Study | None = None
+        self._checked = False  # whether check_study saw the database's tables
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
     # --- the pieces Optuna provides -------------------------------------------------------------------
@@ -187,7 +188,9 @@ class OptunaBackend(Backend):
             _fast_sqlite(storage)
             return storage
         if self.shared:
-            return shared_database(url, hide_passwords(url))
+            # check_study created the tables and checked their version, in this process or
+            # before it forked this worker
+            return shared_database(url, hide_passwords(url), checked=self._checked)
         return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
 
     @property
@@ -255,6 +258,7 @@ class OptunaBackend(Backend):
             self._check_stored(storage)
         finally:
             _close(storage)
+        self._checked = True
 
     def _check_stored(self, storage: optuna.storages.BaseStorage) -> None:
         from hpsweep.search.study_ledger import check_home
@@ -453,7 +457,7 @@ def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | 
     return None, None
 
 
-def shared_database(url: str, label: str) -> optuna.storages.BaseStorage:
+def shared_database(url: str, label: str, checked: bool = False) -> optuna.storages.BaseStorage:
     """The storage of a study in a database that machines share: Optuna's heartbeat on, one
     connection per process, and calls that wait out the database's absences."""
     from hpsweep.search.backends._patient import PatientStorage
@@ -472,6 +476,8 @@ def shared_database(url: str, label: str) -> optuna.storages.BaseStorage:
         heartbeat_interval=HEARTBEAT_S,
         grace_period=GRACE_S,
         heartbeat_stale_trial_callback=run_again_callback,
+        skip_compatibility_check=checked,
+        skip_table_creation=checked,
     )
     return PatientStorage(optuna.storages.get_storage(rdb), label)
 
