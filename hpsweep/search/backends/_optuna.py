@@ -22,14 +22,17 @@ from optuna.trial import TrialState
 
 from hpsweep.errors import UserError
 from hpsweep.search.backends._base import Backend, SearchSettings
-from hpsweep.search.backends._journal import journal_storage
+from hpsweep.search.backends._storages import (
+    OPEN_TRIES,
+    StorageSpec,
+    cause,
+    open_storage,
+    parse_storage,
+    retryable,
+    storage_error,
+)
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.trial import Trial
-
-#: The study of a sweep folder: Optuna's journal file (an append-only log of the study's changes).
-STUDY_FILE = "study.journal"
-#: hpsweep 0.1 kept the study in SQLite; a folder holding one goes on with it.
-LEGACY_STUDY_FILE = "study.db"
 
 
 class OptunaTrial(Trial):
@@ -104,21 +107,10 @@ class OptunaBackend(Backend):
                     "--sampler grid needs a `space` dict (a grid cannot be define-by-run)"
                 )
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
-        #: the journal file holding the study, or None for a storage URL (--storage sqlite:///..., ...)
-        self.journal: Path | None = None
-        legacy = settings.output_dir / LEGACY_STUDY_FILE
-        if settings.storage and "://" in settings.storage:
-            self.storage_url = settings.storage
-        elif (
-            not settings.storage
-            and legacy.exists()
-            and not (settings.output_dir / STUDY_FILE).exists()
-        ):
-            # a sweep begun by hpsweep 0.1 goes on there
-            self.storage_url = f"sqlite:///{legacy.resolve()}"
-        else:
-            self.journal = Path(settings.storage or settings.output_dir / STUDY_FILE).resolve()
-            self.storage_url = str(self.journal)
+        #: where the study lives (`._storages`); messages name it by its password-free label
+        self.storage: StorageSpec = parse_storage(settings.storage, settings.output_dir)
+        #: the journal file holding the study, or None for another storage
+        self.journal: Path | None = self.storage.path if self.storage.kind == "journal" else None
         self.study: optuna.Study | None = None
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
@@ -169,59 +161,38 @@ class OptunaBackend(Backend):
         return optuna.pruners.NopPruner()
 
     def _storage(self) -> optuna.storages.BaseStorage:
-        if self.journal is not None:
-            try:
-                return journal_storage(self.journal)
-            except OSError as exc:
-                raise UserError(
-                    f"the study's journal {self.journal} cannot be written ({exc.strerror}); "
-                    "give --storage a path in a writable folder"
-                ) from None
-        url = self.storage_url
-        if url.startswith("sqlite"):
-            # Several processes write one SQLite file: wait for its lock instead of failing.
-            storage = optuna.storages.RDBStorage(
-                url, engine_kwargs={"connect_args": {"timeout": 120}}
-            )
-            _fast_sqlite(storage)
-            return storage
-        return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
+        return open_storage(self.storage)
 
     def load_study(self, stream: int = 0) -> optuna.Study:
-        # Processes starting together race to create the tables and the study: try again.
-        for attempt in range(6):
+        """The study, created if missing. A storage that cannot be opened is one line at once;
+        only a race between processes creating the tables together is tried again."""
+        for attempt in range(OPEN_TRIES):
             try:
                 return self._load_study(stream)
-            except _StorageError as exc:
-                if attempt == 5:
-                    raise UserError(
-                        f"--storage {self.storage_url} cannot be opened ({exc}); "
-                        "check the URL and that the database is reachable"
-                    ) from None
+            except UserError:
+                raise
+            except Exception as exc:
+                if cause(exc) is None:  # not the storage's: a bug, with its traceback
+                    raise
+                if attempt == OPEN_TRIES - 1 or not retryable(exc):
+                    raise storage_error(self.storage, exc) from None
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
     def _load_study(self, stream: int) -> optuna.Study:
         s = self.settings
-        try:
-            study = optuna.create_study(
-                storage=self._storage(),
-                study_name=s.study_name,
-                sampler=self._sampler(stream),
-                pruner=self._pruner(),
-                directions=s.directions,
-                load_if_exists=True,
-            )
-        except ImportError as exc:
-            raise UserError(f"--storage {self.storage_url}: {exc}") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("sqlalchemy"):
-                raise _StorageError(type(exc).__name__) from None
-            raise
+        study = optuna.create_study(
+            storage=self._storage(),
+            study_name=s.study_name,
+            sampler=self._sampler(stream),
+            pruner=self._pruner(),
+            directions=s.directions,
+            load_if_exists=True,
+        )
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
             raise UserError(
-                f"study {s.study_name!r} in {self.storage_url} was created to {', '.join(stored)}, not "
+                f"study {s.study_name!r} in {self.storage.label} was created to {', '.join(stored)}, not "
                 f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir"
             )
         return study
@@ -293,27 +264,3 @@ class OptunaBackend(Backend):
     def _grid_done(study: optuna.Study) -> bool:
         sampler = study.sampler
         return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
-
-
-def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
-    """Write-ahead logging without an fsync per commit.
-
-    Every report is a commit; with SQLite's defaults each one waits for the disk (~7 ms here,
-    ~20 per trial). In WAL mode with synchronous=NORMAL a commit survives a crash of the
-    process (what a sweep must survive) and needs no fsync; only a power cut may lose the last
-    commits. Readers no longer block the writer either, which helps --n-jobs.
-    """
-    import sqlalchemy
-
-    def on_connect(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-    sqlalchemy.event.listen(storage.engine, "connect", on_connect)
-    storage.engine.dispose()  # connections opened while the storage set itself up get the pragmas too
-
-
-class _StorageError(Exception):
-    """The storage refused a connection or a write (often a race between starting processes)."""
