@@ -14,6 +14,7 @@ PACKAGE = ROOT / "hpsweep"
 LAYERS = {
     "errors": 0,
     "trial": 0,
+    "redaction": 0,
     "runs": 1,
     "devices": 2,
     "train": 3,

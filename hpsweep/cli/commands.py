@@ -64,8 +64,10 @@ def _add_search_options(group: Any) -> None:
     group.add_argument("--study-name", help="study name (default: the space file's name)")
     group.add_argument(
         "--storage",
-        help="optuna: a journal file's path or a storage URL such as postgresql://... "
-        f"(default: ${STORAGE_ENV}, else OUTPUT_DIR/study.journal); "
+        help="optuna: a journal file's path (default: $HPSWEEP_STORAGE, else "
+        "OUTPUT_DIR/study.journal), sqlite:///FILE, "
+        "postgresql://USER@HOST/DB (password from the URL or PGPASSWORD), mysql+pymysql://..., "
+        "or grpc://HOST:PORT (Optuna's storage proxy); "
         "ray: where Tune keeps its experiment (a path or s3://...)",
     )
     group.add_argument(

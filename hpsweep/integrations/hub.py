@@ -23,7 +23,7 @@ from typing import Any
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.integrations import is_secret_name, scrub
+from hpsweep.redaction import is_secret_name, scrub
 from hpsweep.search.job import SweepCallback
 from hpsweep.train.callbacks import TrainerCallback
 from hpsweep.train.metrics import SPEED_SUFFIXES

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep.errors import UserError
-from hpsweep.integrations import redact_url, scrub
+from hpsweep.redaction import describe, redact_url, scrub
 from hpsweep.search.job import SweepCallback
 from hpsweep.train.callbacks import TrainerCallback
 
@@ -345,7 +345,7 @@ def _sweep_params(settings: Any, backend: str | None) -> dict[str, Any]:
         "pruner": settings.pruner,
         "scheduler": settings.scheduler,
         "seed": settings.seed,
-        "storage": redact_url(settings.storage) if settings.storage else None,
+        "storage": describe(settings.storage) if settings.storage else None,
     }
     if settings.space is not None:
         params.update({f"space.{name}": repr(dist) for name, dist in settings.space.items()})

@@ -46,7 +46,7 @@ class SearchRequest:
     timeout: float | None = None
     n_jobs: int = 1
     study_name: str = "hpsweep"
-    storage: str | None = None
+    storage: Any = None  # a path, a URL, or an optuna BaseStorage (the Python API)
     resume: bool = False
     sampler: str | None = None
     pruner: str | None = None
@@ -114,7 +114,7 @@ def search(
     timeout: float | None = None,
     n_jobs: int = 1,
     study_name: str = "hpsweep",
-    storage: str | None = None,
+    storage: Any = None,
     resume: bool = False,
     sampler: str | None = None,
     pruner: str | None = None,

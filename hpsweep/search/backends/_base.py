@@ -36,7 +36,7 @@ class SearchSettings:
     timeout: float | None = None
     n_jobs: int = 1
     study_name: str = "hpsweep"
-    storage: str | None = None
+    storage: Any = None  # a path, a URL, or an optuna BaseStorage (the Python API)
     resume: bool = False
     sampler: str | None = None
     pruner: str | None = None

@@ -21,16 +21,19 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsweep.errors import UserError, hide_passwords
+from hpsweep.errors import UserError
 from hpsweep.search.backends._base import Backend, SearchSettings
-from hpsweep.search.backends._journal import journal_storage
+from hpsweep.search.backends._storages import (
+    OPEN_TRIES,
+    StorageSpec,
+    cause,
+    open_storage,
+    parse_storage,
+    retryable,
+    storage_error,
+)
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.trial import Trial
-
-#: The study of a sweep folder: Optuna's journal file (an append-only log of the study's changes).
-STUDY_FILE = "study.journal"
-#: hpsweep 0.1 kept the study in SQLite; a folder holding one goes on with it.
-LEGACY_STUDY_FILE = "study.db"
 
 
 class OptunaTrial(Trial):
@@ -105,23 +108,11 @@ class OptunaBackend(Backend):
                     "--sampler grid needs a `space` dict (a grid cannot be define-by-run)"
                 )
             self._grid = {name: dist.grid() for name, dist in settings.space.items()}
-        #: the journal file holding the study, or None for a storage URL (--storage sqlite:///..., ...)
-        self.journal: Path | None = None
-        legacy = settings.output_dir / LEGACY_STUDY_FILE
-        if settings.storage and "://" in settings.storage:
-            self.storage_url = settings.storage
-        elif (
-            not settings.storage
-            and legacy.exists()
-            and not (settings.output_dir / STUDY_FILE).exists()
-        ):
-            # a sweep begun by hpsweep 0.1 goes on there
-            self.storage_url = f"sqlite:///{legacy.resolve()}"
-        else:
-            self.journal = Path(settings.storage or settings.output_dir / STUDY_FILE).resolve()
-            self.storage_url = str(self.journal)
+        #: where the study lives (`._storages`); messages name it by its password-free label
+        self.storage: StorageSpec = parse_storage(settings.storage, settings.output_dir)
+        #: the journal file holding the study, or None for another storage
+        self.journal: Path | None = self.storage.path if self.storage.kind == "journal" else None
         self.study: optuna.Study | None = None
-        self._checked = False  # whether check_study saw the database's tables
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
     # --- the pieces Optuna provides -------------------------------------------------------------------
@@ -171,32 +162,19 @@ class OptunaBackend(Backend):
         return optuna.pruners.NopPruner()
 
     def _storage(self) -> optuna.storages.BaseStorage:
-        if self.journal is not None:
-            try:
-                return journal_storage(self.journal)
-            except OSError as exc:
-                raise UserError(
-                    f"the study's journal {self.journal} cannot be written ({exc.strerror}); "
-                    "give --storage a path in a writable folder"
-                ) from None
-        url = self.storage_url
-        if url.startswith("sqlite"):
-            # Several processes write one SQLite file: wait for its lock instead of failing.
-            storage = optuna.storages.RDBStorage(
-                url, engine_kwargs={"connect_args": {"timeout": 120}}
-            )
-            _fast_sqlite(storage)
-            return storage
-        if self.shared:
-            # check_study created the tables and checked their version, in this process or
-            # before it forked this worker
-            return shared_database(url, hide_passwords(url), checked=self._checked)
-        return optuna.storages.RDBStorage(url) if "://" in url else optuna.storages.get_storage(url)
+        if not self.shared:
+            return open_storage(self.storage)
+        return shared_database(self.storage)
 
     @property
     def shared(self) -> bool:
         """Whether the study is in a database that machines share: it is then the ledger."""
-        return self.journal is None and not self.storage_url.startswith("sqlite")
+        kind, obj = self.storage.kind, self.storage.obj
+        if kind == "object":
+            return isinstance(obj, optuna.storages.GrpcStorageProxy) or (
+                isinstance(obj, optuna.storages.RDBStorage) and not obj.url.startswith("sqlite")
+            )
+        return kind in ("sql", "grpc")
 
     def ledger(self) -> Any:
         if not self.shared:
@@ -206,42 +184,37 @@ class OptunaBackend(Backend):
         return StudyLedger(self.settings.output_dir, self.settings.n_trials)
 
     def load_study(self, stream: int = 0) -> optuna.Study:
-        # Processes starting together race to create the tables and the study: try again.
-        for attempt in range(6):
+        """The study, created if missing. A storage that cannot be opened is one line at once;
+        only a race between processes creating the tables together is tried again."""
+        for attempt in range(OPEN_TRIES):
             try:
                 return self._load_study(stream)
-            except _StorageError as exc:
-                if attempt == 5:
-                    raise UserError(
-                        f"--storage {self.storage_url} cannot be opened ({exc}); "
-                        "check the URL and that the database is reachable"
-                    ) from None
+            except UserError:
+                raise
+            except Exception as exc:
+                if cause(exc) is None:  # not the storage's: a bug, with its traceback
+                    raise
+                if attempt == OPEN_TRIES - 1 or not retryable(exc):
+                    raise storage_error(self.storage, exc) from None
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
 
     def _load_study(self, stream: int) -> optuna.Study:
         s = self.settings
-        try:
-            study = optuna.create_study(
-                storage=self._storage(),
-                study_name=s.study_name,
-                sampler=self._sampler(stream),
-                pruner=self._pruner(),
-                directions=s.directions,
-                load_if_exists=True,
-            )
-        except ImportError as exc:
-            raise UserError(f"--storage {self.storage_url}: {exc}") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("sqlalchemy"):
-                raise _StorageError(type(exc).__name__) from None
-            raise
+        study = optuna.create_study(
+            storage=self._storage(),
+            study_name=s.study_name,
+            sampler=self._sampler(stream),
+            pruner=self._pruner(),
+            directions=s.directions,
+            load_if_exists=True,
+        )
         if self.shared:
             self._keep_home(study)
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
             raise UserError(
-                f"study {s.study_name!r} in {self.storage_url} was created to {', '.join(stored)}, not "
+                f"study {s.study_name!r} in {self.storage.label} was created to {', '.join(stored)}, not "
                 f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir"
             )
         return study
@@ -253,12 +226,11 @@ class OptunaBackend(Backend):
         match the study it names: another home, other directions, another space."""
         if not self.shared:
             return
-        storage = self._storage_or_error(check=True)
+        storage = self._storage_or_error()
         try:
             self._check_stored(storage)
         finally:
             _close(storage)
-        self._checked = True
 
     def _check_stored(self, storage: optuna.storages.BaseStorage) -> None:
         from hpsweep.search.study_ledger import check_home
@@ -268,7 +240,7 @@ class OptunaBackend(Backend):
             study_id = storage.get_study_id_from_name(s.study_name)
         except KeyError:
             return  # a new study: nothing to disagree with
-        label = hide_passwords(self.storage_url)
+        label = self.storage.label
         check_home(storage.get_study_user_attrs(study_id), self.home, s.study_name, label)
         stored = [d.name.lower() for d in storage.get_study_directions(study_id)]
         if stored != s.directions:
@@ -285,11 +257,6 @@ class OptunaBackend(Backend):
                     f"{label} recorded ({known}); keep the space, or use another --study-name"
                 )
 
-    def _checking_storage(self) -> optuna.storages.RDBStorage:
-        from sqlalchemy.pool import NullPool
-
-        return optuna.storages.RDBStorage(self.storage_url, engine_kwargs={"poolclass": NullPool})
-
     @property
     def home(self) -> str:
         """The sweep's home as the study keeps it."""
@@ -299,28 +266,20 @@ class OptunaBackend(Backend):
         from hpsweep.search.study_ledger import HOME, check_home
 
         attrs = study.user_attrs
-        check_home(attrs, self.home, study.study_name, hide_passwords(self.storage_url))
+        check_home(attrs, self.home, study.study_name, self.storage.label)
         if HOME not in attrs:
             study.set_user_attr(HOME, self.home)
 
-    def _storage_or_error(self, *, check: bool = False) -> optuna.storages.BaseStorage:
-        """The storage, or one line saying why it cannot be opened. ``check``: for a look before
-        the workers start, holding no connection afterwards (a forked worker must not share one)."""
+    def _storage_or_error(self) -> optuna.storages.BaseStorage:
+        """The storage, or one line saying why it cannot be opened (`._storages`)."""
         try:
-            if check and self.storage_url.startswith("grpc://"):
-                return self._storage()
-            if check and "://" in self.storage_url:
-                return _retry_race(self._checking_storage)
-            return self._storage()
-        except ImportError as exc:
-            raise UserError(f"--storage {hide_passwords(self.storage_url)}: {exc}") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("sqlalchemy"):
-                raise UserError(
-                    f"--storage {hide_passwords(self.storage_url)} cannot be opened "
-                    f"({type(exc).__name__}); check the URL and that the database is reachable"
-                ) from None
+            return _retry_race(lambda: open_storage(self.storage))
+        except UserError:
             raise
+        except Exception as exc:
+            if cause(exc) is None:
+                raise
+            raise storage_error(self.storage, exc) from None
 
     # --- asking and telling ------------------------------------------------------------------------------
 
@@ -409,7 +368,6 @@ class OptunaBackend(Backend):
 
 def _close(storage: optuna.storages.BaseStorage) -> None:
     """Let go of ``storage``'s connections, so that no forked worker shares them."""
-    storage = getattr(storage, "inner", storage)
     if isinstance(storage, optuna.storages.RDBStorage):
         storage.engine.dispose()
     elif isinstance(storage, optuna.storages.GrpcStorageProxy):
@@ -457,50 +415,16 @@ def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | 
     return None, None
 
 
-def shared_database(url: str, label: str, checked: bool = False) -> optuna.storages.BaseStorage:
-    """The storage of a study in a database that machines share: Optuna's heartbeat on, one
-    connection per process, and calls that wait out the database's absences."""
+def shared_database(parsed: StorageSpec) -> optuna.storages.BaseStorage:
+    """The storage of a study in a database that machines share (`._storages`), with Optuna's
+    heartbeat on where the storage has one, and calls that wait out the database's absences."""
     from hpsweep.search.backends._patient import PatientStorage
     from hpsweep.search.study_ledger import GRACE_S, HEARTBEAT_S, run_again_callback
 
-    if url.startswith("grpc://"):
-        from urllib.parse import urlsplit
-
-        where = urlsplit(url)
-        proxy = optuna.storages.GrpcStorageProxy(host=where.hostname, port=where.port)
-        proxy.wait_server_ready(timeout=10)
-        return PatientStorage(proxy, label)
-    rdb = optuna.storages.RDBStorage(
-        url,
-        engine_kwargs={"pool_size": 1, "max_overflow": 1, "pool_pre_ping": True},
+    storage = open_storage(
+        parsed,
         heartbeat_interval=HEARTBEAT_S,
         grace_period=GRACE_S,
-        heartbeat_stale_trial_callback=run_again_callback,
-        skip_compatibility_check=checked,
-        skip_table_creation=checked,
+        stale_callback=run_again_callback,
     )
-    return PatientStorage(optuna.storages.get_storage(rdb), label)
-
-
-def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
-    """Write-ahead logging without an fsync per commit.
-
-    Every report is a commit; with SQLite's defaults each one waits for the disk (~7 ms here,
-    ~20 per trial). In WAL mode with synchronous=NORMAL a commit survives a crash of the
-    process (what a sweep must survive) and needs no fsync; only a power cut may lose the last
-    commits. Readers no longer block the writer either, which helps --n-jobs.
-    """
-    import sqlalchemy
-
-    def on_connect(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-    sqlalchemy.event.listen(storage.engine, "connect", on_connect)
-    storage.engine.dispose()  # connections opened while the storage set itself up get the pragmas too
-
-
-class _StorageError(Exception):
-    """The storage refused a connection or a write (often a race between starting processes)."""
+    return PatientStorage(optuna.storages.get_storage(storage), parsed.label)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import secrets
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ from ray import tune
 
 from hpsweep import runs
 from hpsweep.errors import Interrupted, UserError
+from hpsweep.redaction import describe
 from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.backends._ray._cluster import (
     collect_shipped_runs,
@@ -473,6 +475,11 @@ def _resources(settings: SearchSettings) -> dict[str, float]:
 def _storage_path(settings: SearchSettings) -> str:
     """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``DIR/.ray``."""
     storage = settings.options.get("storage") or settings.storage
+    if storage is not None and not isinstance(storage, (str, os.PathLike)):
+        raise UserError(
+            f"storage={describe(storage)}: Ray keeps its trials under a path or a URI "
+            "(s3://...); an Optuna storage object is for the optuna backend"
+        )
     if storage and "://" in str(storage):
         return str(storage)
     return str(Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR)
