@@ -36,6 +36,7 @@ layout that every backend (Ray's and W&B's too) writes and that users open.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -167,7 +168,7 @@ class RemoteHome(Home):
 
     def upload_checkpoint(self, run_dir: Path, checkpoint_dir: Path) -> None:
         remote = f"{self.root}/{run_dir.name}/{checkpoint_dir.name}"
-        self.fs.rm_file(f"{remote}/{COMPLETE}")  # a checkpoint of that name written again
+        self._rm_marker(remote)  # a checkpoint of that name written again
         self._put_folder(checkpoint_dir, remote)
         self.fs.pipe_file(f"{remote}/{COMPLETE}", b"{}\n")
         self._drop_rotated(run_dir)
@@ -185,8 +186,12 @@ class RemoteHome(Home):
         for path in self._ls(f"{self.root}/{run_dir.name}"):
             name = path.rsplit("/", 1)[-1]
             if name.startswith(CHECKPOINT_PREFIX) and name not in kept:
-                self.fs.rm_file(f"{path}/{COMPLETE}")
+                self._rm_marker(path)
                 self.fs.rm(path, recursive=True)
+
+    def _rm_marker(self, checkpoint: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{checkpoint}/{COMPLETE}")
 
     def upload_record(self, run_dir: Path) -> None:
         data = read_json(run_dir / TRIAL_FILE)
@@ -235,8 +240,9 @@ class RemoteHome(Home):
         best = self._cat(f"{self.root}/{BEST_FILE}")
         if best is not None:
             (dest / BEST_FILE).write_bytes(best)
-            if checkpoints:
-                self._get_folder(self._find(f"{self.root}/{BEST_DIR}"), self._best, dest / BEST_DIR)
+            keys = self._find(self._best) if checkpoints else []
+            if keys:
+                self._get_folder(keys, self._best, dest / BEST_DIR)
         return dest
 
     # --- the best run ------------------------------------------------------------------------------

@@ -267,8 +267,9 @@ class UploadCheckpoints(TrainerCallback):
 
 def _pulled(job: SweepJob, again: runs.TrialRecord | None) -> runs.TrialRecord | None:
     """A trial to run again, with its run folder on this machine: with an object-store home, the
-    folder another machine started (its records and complete checkpoints) is pulled first."""
-    if again is None or job.home is None:
+    folder another machine started (its records and complete checkpoints) is pulled first into
+    the staging folder (a Ray node's own folder gets it back from Ray's storage instead)."""
+    if again is None or job.home is None or job.output_dir != job.home.local:
         return again
     folder = job.home.pull_run(Path(again.run_dir).name)
     return dataclasses.replace(again, run_dir=str(folder))

@@ -1,18 +1,23 @@
 """A sweep whose home is an S3 bucket (moto's server on 127.0.0.1): ``hpsweep run --output-dir
 s3://...`` leaves its runs, checkpoints, best/ and best_run.json there, and ``show`` / ``report``
-read the whole study from any machine (another working folder, another HOME)."""
+read the whole study from any machine (another working folder, another HOME); ``push`` sends
+its best/ to the Hub (the local stand-in)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import hpsweep_cli, write_space
+from support import hpsweep_cli, slow_space, write_space
+from support.fake_hub import FakeHub
 from support.s3 import SECRET, s3_server
+from support.sweep_invariants import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,13 @@ def test_a_sweep_kept_in_a_bucket_is_seen_from_any_machine(s3, tmp_path):
     page = hpsweep_cli("report", "s3://sweeps/tiny", cwd=there, env=other, check=True)
     assert page.stdout.strip() == "s3://sweeps/tiny/report.html"
     assert "tiny/report.html" in s3.keys("sweeps", "tiny/")
+    with FakeHub(token="hf_test") as hub:
+        hub_env = {**other, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test"}
+        hpsweep_cli(
+            "push", "s3://sweeps/tiny", "--repo-id", "me/tiny", cwd=there, env=hub_env, check=True
+        )
+        pushed = hub.files("me/tiny")
+    assert pushed["model.safetensors"] == get(s3, "sweeps", "tiny/best/model.safetensors")
     assert sorted(p.name for p in there.iterdir()) == ["home"]
 
 
@@ -122,6 +134,35 @@ def test_two_machines_on_one_home_leave_the_best_of_all_trials(s3, tmp_path):
     assert len({r["id"] for r in records}) == len(records) >= 4  # both machines' trials are there
     assert_best_of_all(s3, "shared", "sweep")
     assert all(SECRET not in out for out in outputs)
+
+
+def test_a_trial_cut_short_resumes_from_its_checkpoint_at_the_home(s3, tmp_path):
+    """Ctrl-C mid-trial, then the trial's checkpoints gone from this machine (as on a machine
+    other than the one it ran on): the same command pulls the complete checkpoint from the home
+    and the trial goes on from it."""
+    s3.make_bucket("resumes")
+    space = slow_space(tmp_path, step_s=0.5)
+    here, env = a_machine(tmp_path, "m", s3)
+    args = ["run", space, "--output-dir", "s3://resumes/sweep", "--n-trials", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpsweep.cli", *map(str, args)],
+        cwd=here,
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = "sweep/run-0/checkpoint-4/.complete"
+    assert wait_for(lambda: marker in s3.keys("resumes", "sweep/run-0/"))
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert read(s3, "resumes", "sweep/run-0/trial.json")["state"] == "stopped"
+    for checkpoint in (here / "home").rglob("checkpoint-*"):
+        shutil.rmtree(checkpoint)
+
+    hpsweep_cli(*args, cwd=here, env=env, check=True)
+    record = read(s3, "resumes", "sweep/run-0/trial.json")
+    assert record["state"] == "complete" and record["attempts"] == 2
+    assert record["resumed_from"] == "s3://resumes/sweep/run-0/checkpoint-4"
 
 
 @pytest.mark.parametrize(
