@@ -7,10 +7,12 @@ failure; 130 after Ctrl-C, once running trials are recorded as stopped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,7 +61,9 @@ def _add_search_options(group: Any) -> None:
     )
     group.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     group.add_argument(
-        "--output-dir", help="where runs, best/ and the study go (default: args.output_dir)"
+        "--output-dir",
+        help="the sweep's home: where runs, best/ and the study go, a folder or s3://bucket/prefix "
+        "/ gs://bucket/prefix (default: args.output_dir)",
     )
     group.add_argument("--study-name", help="study name (default: the space file's name)")
     group.add_argument(
@@ -151,14 +155,14 @@ def _add_tracking_options(group: Any) -> None:
 
 def _add_show(sub: Any) -> None:
     show = sub.add_parser("show", help="the trials of a sweep as a table")
-    show.add_argument("dir", help="the sweep's output folder")
+    show.add_argument("dir", help="the sweep's home: its output folder, or s3://... / gs://...")
     show.add_argument("--json", action="store_true", help="print the trials as JSON")
     show.set_defaults(func=cmd_show)
 
 
 def _add_report(sub: Any) -> None:
     report = sub.add_parser("report", help="an HTML page with plots of the sweep (DIR/report.html)")
-    report.add_argument("dir", help="the sweep's output folder")
+    report.add_argument("dir", help="the sweep's home: its output folder, or s3://... / gs://...")
     report.add_argument("--output", help="where to write the page (default: DIR/report.html)")
     report.set_defaults(func=cmd_report)
 
@@ -167,7 +171,7 @@ def _add_push(sub: Any) -> None:
     push = sub.add_parser(
         "push", help="push the best run, with a model card, to the Hugging Face Hub"
     )
-    push.add_argument("dir", help="the sweep's output folder")
+    push.add_argument("dir", help="the sweep's home: its output folder, or s3://... / gs://...")
     push.add_argument(
         "--repo-id",
         required=True,
@@ -266,17 +270,37 @@ def _sweep_callbacks(ns: argparse.Namespace) -> list[Any]:
     return callbacks
 
 
-def cmd_report(ns: argparse.Namespace) -> int:
-    from hpsweep.integrations.report import write_report
+@contextlib.contextmanager
+def sweep_folder(spec: str, *, checkpoints: bool = False) -> Iterator[tuple[Path, Any]]:
+    """The sweep's home as a local folder, and the home: a path is the folder itself; an
+    object-store URL's records and best_run.json (and best/) are downloaded to a temporary one."""
+    from hpsweep import runs
 
-    print(write_report(Path(ns.dir), Path(ns.output) if ns.output else None))
+    home = runs.open_home(spec)
+    if not home.remote:
+        yield (Path(spec) if "://" not in spec else home.local), home
+        return
+    with tempfile.TemporaryDirectory(prefix="hpsweep-home-") as tmp:
+        yield home.snapshot(Path(tmp), checkpoints=checkpoints), home
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from hpsweep.integrations.report import REPORT_FILE, write_report
+
+    with sweep_folder(ns.dir) as (folder, home):
+        if not home.remote:
+            print(write_report(folder, Path(ns.output) if ns.output else None))
+            return 0
+        page = write_report(folder, Path(ns.output) if ns.output else None, name=home.url)
+        print(page if ns.output else home.upload_file(page, REPORT_FILE))
     return 0
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
     from hpsweep.integrations.hub import push_best
 
-    print(push_best(Path(ns.dir), ns.repo_id, private=ns.private, revision=ns.revision))
+    with sweep_folder(ns.dir, checkpoints=True) as (folder, _):
+        print(push_best(folder, ns.repo_id, private=ns.private, revision=ns.revision))
     return 0
 
 
@@ -299,13 +323,14 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
     from hpsweep import runs
 
-    folder = Path(ns.dir)
-    records = runs.read_trials(folder)
+    with sweep_folder(ns.dir) as (folder, home):
+        records = runs.read_trials(folder)
+        best = runs.read_best(folder)
+    name = home.url if home.remote else Path(ns.dir)
     if not records:
         raise UserError(
-            f"{folder}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
+            f"{name}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
         )
-    best = runs.read_best(folder)
     best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
     if ns.json:
         print(
@@ -317,7 +342,7 @@ def cmd_show(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{folder}: {len(records)} trials")
+    table = Table(title=f"{name}: {len(records)} trials")
     for column in ("#", "run", "state", records[0].objective_name, "params", "time"):
         table.add_column(column, justify="right" if column in ("#", "time") else "left")
     for r in records:

@@ -28,15 +28,19 @@ REPORT_FILE = "report.html"
 _STATES = {"complete": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL", "stopped": "FAIL"}
 
 
-def write_report(output_dir: Path, path: Path | None = None) -> Path:
-    """Write the report of the sweep in ``output_dir`` (atomically) and return its path."""
+def write_report(output_dir: Path, path: Path | None = None, *, name: str | None = None) -> Path:
+    """Write the report of the sweep in ``output_dir`` (atomically) and return its path.
+
+    ``name``: the sweep's home as the page names it (an object-store URL whose records were
+    downloaded to ``output_dir``); default: the folder's absolute path.
+    """
     records = runs.read_trials(output_dir)
     if not records:
         raise UserError(
-            f"{output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
+            f"{name or output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
         )
     best = runs.read_best(output_dir)
-    page = render(output_dir, records, best)
+    page = render(name or str(output_dir.resolve()), records, best)
     path = path or output_dir / REPORT_FILE
     runs.write_text(path, page)
     return path
@@ -184,7 +188,7 @@ def _why_not(pid: str, study: Any) -> str | None:
     return None
 
 
-def render(output_dir: Path, records: Sequence[runs.TrialRecord], best: Any) -> str:
+def render(home: str, records: Sequence[runs.TrialRecord], best: Any) -> str:
     study = build_study(records)
     objective_name = records[0].objective_name
     sections, first = [], True
@@ -207,8 +211,8 @@ def render(output_dir: Path, records: Sequence[runs.TrialRecord], best: Any) -> 
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     backend = records[0].backend
     return _PAGE.format(
-        title=html.escape(f"hpsweep report: {output_dir.resolve().name}"),
-        heading=html.escape(f"Sweep {output_dir.resolve()}"),
+        title=html.escape(f"hpsweep report: {home.rstrip('/').rsplit('/', 1)[-1]}"),
+        heading=html.escape(f"Sweep {home}"),
         summary=html.escape(
             f"{len(records)} trials ({summary}); backend {backend}; objective {objective_name} "
             f"({', '.join(records[0].directions)}); written {time.strftime('%Y-%m-%d %H:%M')}"

@@ -15,7 +15,8 @@ Every file and folder is written under a temporary name and renamed into place, 
 leaves either the old version or the new one, never half of one. One responsibility a private
 module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (checkpoint
 folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_index` (the
-records kept in memory for the ledger).
+records kept in memory for the ledger). `home` (public: `open_home`) is the sweep's home, a
+local folder or an object-store URL, and what is uploaded there when.
 """
 
 from hpsweep.runs._atomic import (
@@ -66,6 +67,7 @@ from hpsweep.runs._records import (
     run_dir_for,
     safe_name,
 )
+from hpsweep.runs.home import Home, RemoteHome, open_home
 
 __all__ = [
     "atomic_dir",
@@ -110,4 +112,7 @@ __all__ = [
     "read_trials",
     "run_dir_for",
     "safe_name",
+    "Home",
+    "RemoteHome",
+    "open_home",
 ]

@@ -111,8 +111,12 @@ class TrialRecord:
 
     @classmethod
     def load(cls, path: Path) -> TrialRecord | None:
-        data = read_json(path)
-        if not data:
+        return cls.from_dict(read_json(path))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TrialRecord | None:
+        """The record ``trial.json`` holds as ``data``; None if it is not one."""
+        if not data or not isinstance(data, dict):
             return None
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         try:

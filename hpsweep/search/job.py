@@ -63,10 +63,19 @@ class SweepJob:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.distributed`).
     processes_per_trial: int = 1
+    #: The object-store home (`hpsweep.runs.RemoteHome`) when ``--output-dir`` is a URL; None
+    #: when the output folder is the home.
+    home: runs.Home | None = None
 
     @property
     def output_dir(self) -> Path:
         return Path(self.args.output_dir)
+
+    @property
+    def runs_home(self) -> runs.Home:
+        """Where the sweep's runs, records and best run go: the object-store home, or the output
+        folder itself (which a Ray node's trial replaces with its own)."""
+        return self.home if self.home is not None else runs.Home(self.output_dir)
 
     @property
     def objective_name(self) -> str:

@@ -105,13 +105,16 @@ class StudyLedger:
     """The trials of a sweep whose study is in a database shared by its machines.
 
     Args:
-        output_dir: the sweep's home on this machine (records, checkpoints).
+        output_dir: the sweep's folder on this machine (records, checkpoints).
         n_trials: how many finished (complete or pruned) trials the sweep wants; None: no limit.
+        home: the sweep's home (`hpsweep.runs.Home`), when it is an object store that
+            ``output_dir`` stages for: a trial another machine began is found there.
     """
 
-    def __init__(self, output_dir: Path, n_trials: int | None) -> None:
+    def __init__(self, output_dir: Path, n_trials: int | None, home: Any = None) -> None:
         self.output_dir = output_dir
         self.n_trials = n_trials
+        self.home = home
         self.index = runs.TrialIndex(output_dir)
         # for storages without Optuna's heartbeat: each running trial's last beat seen, and when
         self._beats: dict[int, tuple[Any, float]] = {}
@@ -166,12 +169,18 @@ class StudyLedger:
         return ahead < self.n_trials
 
     def _again_record(self, asked: optuna.Trial) -> runs.TrialRecord | None:
-        """The record of the trial ``asked`` runs again (its folder and checkpoints), if any."""
+        """The record of the trial ``asked`` runs again (its folder and checkpoints), if any: on
+        this machine, or at an object-store home (the trial runner pulls its folder from there)."""
         attrs = asked.user_attrs
         if AGAIN_ID not in attrs:
             return None
-        self.index.refresh(verify=True)
-        return next((r for r in self.index.records() if r.id == str(attrs[AGAIN_ID])), None)
+        wanted = str(attrs[AGAIN_ID])
+        if self.home is not None and self.home.remote:
+            records = self.home.records()
+        else:
+            self.index.refresh(verify=True)
+            records = self.index.records()
+        return next((r for r in records if r.id == wanted), None)
 
     def ended(self, study: optuna.Study, trial: Any, state: str) -> None:
         """A trial stopped by a signal runs again: enqueue it before its Optuna trial is told."""

@@ -215,8 +215,10 @@ def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, Sweep
     if trainer.eval_dataset is None:
         raise UserError("a search evaluates every trial: give an eval_dataset")
 
+    # A URL is checked here (store, bucket, credentials); its runs are written to a staging folder.
+    home = runs.open_home(trainer.args.output_dir)
     # Absolute, so trials that run in another working directory (Ray workers) write here too.
-    output_dir = check_output_dir(Path(trainer.args.output_dir))
+    output_dir = check_output_dir(home.local)
     check_one_study(output_dir, request.study_name)
     settings = request.settings(
         output_dir=output_dir,
@@ -225,6 +227,7 @@ def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, Sweep
         objective_name=objective if isinstance(objective, str) else "objective",
         resources_per_trial=placement.resources,
     )
+    settings.home = home
     chosen = get_backend(request.backend, settings)
     chosen.check_study()
     hp_space = request.hp_space
@@ -232,6 +235,7 @@ def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, Sweep
         space, hp_space = validate_space(settings.space), settings.hp_space  # a W&B sweep config
         check_space_against_args(space, trainer.args, takes_trial)
     job = job_for(trainer, request, objective, directions, hp_space, takes_trial, output_dir)
+    job.home = home if home.remote else None
     if placement.note:
         print(f"hpsweep: {placement.note}", file=sys.stderr)
     return settings, job, chosen
@@ -348,6 +352,8 @@ def run_sweep(
     finally:
         if progress:
             progress.stop()
+        if finished:
+            settle_home(job)
         if output_dir.exists():
             records = runs.read_trials(output_dir)
             best = runs.read_best(output_dir)
@@ -361,6 +367,21 @@ def run_sweep(
             f"see the trial.json and error.log files in {output_dir}"
         )
     return best
+
+
+def settle_home(job: SweepJob) -> None:
+    """An object-store home: its best run made right (two machines may have finished at once)
+    and brought here; a failure leaves this machine's best, with one line saying so."""
+    if job.home is None:
+        return
+    try:
+        job.home.settle()
+    except Exception as exc:
+        print(
+            f"hpsweep: warning: could not read the best run at {job.home.url} ({type(exc).__name__}); "
+            "this machine's best is returned, and the next command to finish puts the study's best there",
+            file=sys.stderr,
+        )
 
 
 def open_output_dir(output_dir: Path, study_name: str) -> bool:

@@ -5,10 +5,12 @@ disk, a mistake every trial would make) is recorded here, in one place for every
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,7 +57,7 @@ class TrialRunner:
 
     def __call__(self, trial: Trial) -> float | list[float]:
         job = self.job
-        again: runs.TrialRecord | None = trial.user_attrs.pop("again", None)
+        again = _pulled(job, trial.user_attrs.pop("again", None))
         latest = runs.latest_checkpoint(Path(again.run_dir)) if again is not None else None
         devices.threads_for_trial(_started_with(again, latest))  # before anything that computes
         if job.hp_space is not None:
@@ -91,9 +93,10 @@ class TrialRunner:
         finally:
             # a user error before the trial ran ends the sweep instead
             if record.state != "running":
+                _upload_record(job, run_dir)
                 for sc in job.sweep_callbacks:
                     sc.on_trial_end(record)
-        runs.promote_if_best(job.output_dir, record)
+        job.runs_home.promote_best(record)
         return record.objective  # type: ignore[return-value]
 
     def _build(self, trial: Trial) -> _Prebuilt | BaseException:
@@ -169,9 +172,13 @@ class TrialRunner:
         job = self.job
         args = _trial_args(job, trial.params, run_dir)
         record.save()
+        if job.home is not None:
+            job.home.upload_record(run_dir)
         if not isinstance(built, _Prebuilt):
             raise built
         extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
+        if job.home is not None:
+            extra.append(UploadCheckpoints(job.home))
         if job.processes_per_trial > 1:
             from hpsweep.devices.data_parallel import train_data_parallel
 
@@ -241,6 +248,46 @@ class TrialRunner:
         traceback.clear_frames(exc.__traceback__)
         memory.collect()
         raise TrialFailed(f"trial {trial.number} failed: {line}") from exc
+
+
+class UploadCheckpoints(TrainerCallback):
+    """Sends each checkpoint to the object-store home once it is whole on disk (`on_save` reads
+    the folder, so the trainer writes it before calling it); data-parallel trials run it on their
+    first process only, which writes the checkpoints."""
+
+    reads_checkpoints = True
+
+    def __init__(self, home: runs.Home) -> None:
+        self.home = home
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        checkpoint = Path(kwargs["checkpoint"])
+        self.home.upload_checkpoint(checkpoint.parent, checkpoint)
+
+
+def _pulled(job: SweepJob, again: runs.TrialRecord | None) -> runs.TrialRecord | None:
+    """A trial to run again, with its run folder on this machine: with an object-store home, the
+    folder another machine started (its records and complete checkpoints) is pulled first into
+    the staging folder (a Ray node's own folder gets it back from Ray's storage instead)."""
+    if again is None or job.home is None or job.output_dir != job.home.local:
+        return again
+    folder = job.home.pull_run(Path(again.run_dir).name)
+    return dataclasses.replace(again, run_dir=str(folder))
+
+
+def _upload_record(job: SweepJob, run_dir: Path) -> None:
+    """How the trial ended, sent to the object-store home; a failure to send is one line, not the
+    trial's end (the trial is recorded here, and the ledger has it)."""
+    if job.home is None or not run_dir.is_dir():
+        return
+    try:
+        job.home.upload_record(run_dir)
+    except Exception as exc:
+        print(
+            f"hpsweep: warning: could not send {run_dir.name}/trial.json to {job.home.url} "
+            f"({type(exc).__name__}); `hpsweep show` at the home misses it",
+            file=sys.stderr,
+        )
 
 
 def load_datasets(job: SweepJob) -> None:

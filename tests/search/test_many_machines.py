@@ -14,15 +14,21 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
 from support import free_port, slow_space, write_space
 from support.postgres import PASSWORD
+from support.s3 import s3_server
+from support.sweep_invariants import wait_for
 
 from hpsweep import runs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning"),
+]
 
 
 class Machine:
@@ -98,14 +104,12 @@ def test_machines_share_one_count_one_best_and_one_home(pg, tmp_path):
     assert len(optuna.load_study(study_name="s1", storage=url).trials) == len(study.trials)
 
 
-def _wait_for_checkpoint(home: Path, timeout: float = 120) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [c for run in home.glob("run-*") for c in runs.checkpoints(run)]
-        if found:
-            return found[0].parent
-        time.sleep(0.2)
-    raise AssertionError("no checkpoint was written")
+def _wait_for_checkpoint(home: Path) -> Path:
+    def found() -> list[Path]:
+        return [c for run in home.glob("run-*") for c in runs.checkpoints(run)]
+
+    assert wait_for(lambda: bool(found())), "no checkpoint was written"
+    return found()[0].parent
 
 
 @contextlib.contextmanager
@@ -127,12 +131,43 @@ def storage_proxy(url: str) -> Iterator[str]:
         proc.wait()
 
 
-@pytest.mark.parametrize("through", ["database", "proxy"])
-def test_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(pg, tmp_path, through):
-    with contextlib.ExitStack() as stack:
-        database = pg.create_database(f"dead_{through}")
-        url = stack.enter_context(storage_proxy(database)) if through == "proxy" else database
-        _kill_one_machine_and_finish(url, database, tmp_path)
+def test_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(pg, tmp_path):
+    database = pg.create_database("dead")
+    _kill_one_machine_and_finish(database, database, tmp_path)
+
+
+def test_through_the_proxy_a_dead_machines_trial_resumes_from_the_object_store(
+    pg, tmp_path, monkeypatch
+):
+    """The same with nothing shared but the storage proxy and an S3 bucket: the other machine
+    pulls the dead one's last uploaded checkpoint from the bucket."""
+    with postgres_proxy_and_bucket(pg, monkeypatch) as (url, database, s3):
+        space = slow_space(tmp_path, step_s=0.15)
+        args = sweep_args(space, url, "s4", "s3://sweeps/dead", 3)
+        first = Machine(tmp_path, "m0", *args)
+        assert wait_for(lambda: any(k.endswith("/.complete") for k in s3.keys("sweeps")))
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+
+        code, output = Machine(tmp_path, "m1", *args).finish()
+        assert code == 0, output
+        records = runs.open_home("s3://sweeps/dead").records()
+        assert sorted(r.state for r in records) == ["complete"] * 3
+        again = [r for r in records if r.attempts == 2]
+        assert len(again) == 1 and again[0].resumed_from is not None
+        states = study_states(database, "s4")
+        assert states["COMPLETE"] == 3 and states["RUNNING"] == 0
+
+
+@contextlib.contextmanager
+def postgres_proxy_and_bucket(pg, monkeypatch) -> Iterator[tuple[str, str, Any]]:
+    """(the proxy's URL, the database's URL, the S3 server with a bucket ``sweeps``)."""
+    database = pg.create_database("dead_s3")
+    with s3_server() as s3, storage_proxy(database) as url:
+        s3.make_bucket("sweeps")
+        for name, value in s3.env.items():
+            monkeypatch.setenv(name, value)  # every machine reads the store's address from it
+        yield url, database, s3
 
 
 def _kill_one_machine_and_finish(url: str, database: str, tmp_path: Path) -> None:

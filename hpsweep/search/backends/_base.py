@@ -51,6 +51,14 @@ class SearchSettings:
     processes_per_trial: int = 1
     #: The optional settings the user gave explicitly (checked against `Backend.reads`).
     given: frozenset[str] = frozenset()
+    #: The sweep's home (`hpsweep.runs.Home`): ``output_dir`` itself, or an object store that
+    #: ``output_dir`` stages for; None when a caller names none (the output folder is the home).
+    home: Any = None
+
+    @property
+    def home_url(self) -> str:
+        """The home as users name it (and as a study on many machines remembers it)."""
+        return self.home.url if self.home is not None else str(self.output_dir)
 
     @property
     def multi_objective(self) -> bool:

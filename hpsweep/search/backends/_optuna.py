@@ -181,7 +181,7 @@ class OptunaBackend(Backend):
             return super().ledger()
         from hpsweep.search.study_ledger import StudyLedger
 
-        return StudyLedger(self.settings.output_dir, self.settings.n_trials)
+        return StudyLedger(self.settings.output_dir, self.settings.n_trials, self.settings.home)
 
     def load_study(self, stream: int = 0) -> optuna.Study:
         """The study, created if missing. A storage that cannot be opened is one line at once;
@@ -259,8 +259,8 @@ class OptunaBackend(Backend):
 
     @property
     def home(self) -> str:
-        """The sweep's home as the study keeps it."""
-        return str(self.settings.output_dir)
+        """The sweep's home as the study keeps it: a folder's path, or an object store's URL."""
+        return self.settings.home_url
 
     def _keep_home(self, study: optuna.Study) -> None:
         from hpsweep.search.study_ledger import HOME, check_home
