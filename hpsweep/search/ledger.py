@@ -31,7 +31,8 @@ under `Ledger.locked`, `reap`, then `claim_new` or `claim_trial` for a lease, `n
 new trial's number and `Lease.bind`; the trial runner records the trial; `Lease.release` ends it.
 A driver that runs trials in batches (Ray Tune's rounds) asks `needed` and `next_number` before a
 batch, and after it tells the ledger what it saw of trials that could not record it themselves
-(`wait_for_endings`, then `settle`; `restate` for one trial). No backend counts, leases or
+(`wait_for_endings`, then `settle`; `restate` for one trial; `fail_unrecorded` for one that failed
+before it could record anything). No backend counts, leases or
 rewrites a record itself, nor numbers a trial unless its own records number it (Optuna's study).
 """
 
@@ -440,3 +441,28 @@ class Ledger:
         record.finish(state)
         if was == "failed":
             (Path(record.run_dir) / "error.log").unlink(missing_ok=True)
+
+    def fail_unrecorded(
+        self,
+        trial_id: str,
+        *,
+        error: str,
+        template: runs.TrialRecord,
+        number: int | None = None,
+    ) -> runs.TrialRecord | None:
+        """Record as failed, with ``error`` (also in its ``error.log``), a trial that an executor saw
+        fail before the trial could record anything (Ray could not place it, or Tune's own
+        machinery failed it before it trained), so it counts towards ``--max-failed-trials`` as
+        any failed trial does. ``template``: its params, backend and objective; ``number``: the
+        executor's own numbering of it, as `next_number` takes it. Call it holding `locked`. A
+        trial that has a record is left as it is (None)."""
+        if self.record(trial_id) is not None:
+            return None
+        run_dir = runs.run_dir_for(self.output_dir, trial_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "error.log").write_text(error + "\n")
+        record = dataclasses.replace(
+            template, id=str(trial_id), number=self.next_number(prefer=number), run_dir=str(run_dir)
+        )
+        record.finish("failed", error=error)
+        return record

@@ -1,5 +1,16 @@
 """Real Ray nodes on this machine for the tests, started as a user starts them (``ray start``),
-bound to 127.0.0.1, and stopped by their temp dir, so that nobody else's Ray is touched."""
+bound to 127.0.0.1, and stopped by their temp dir, so that nobody else's Ray is touched.
+
+Each cluster's nodes get a HOME of their own: Ray 2.60's ``ray.init()`` writes
+``~/.ray/auth_token``, which a later ``ray start --address`` would send to a cluster that does not
+expect it (InvalidAuthToken).
+
+A worker node can be made not to see a folder (``hidden``), as a second machine does not see the
+driver's local disk: its ``ray start`` runs in a mount namespace of its own (``unshare --mount``,
+root only) with an empty tmpfs over that folder, and Ray's daemons and workers, started from it,
+stay there. Everything else (Python, the code, Ray's temp dir) it sees as the head does; what the
+worker writes under the folder stays in its tmpfs, as on another machine's disk.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +22,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from support import free_port
+from support import free_port, hpsweep_cli
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -25,6 +36,9 @@ RAY = str(Path(sys.executable).parent / "ray")
 class Cluster:
     address: str
     env: dict[str, str]
+    #: the nodes' temp dir and environment, for a node that joins later (`joined_node`)
+    temp: str = ""
+    nodes_env: dict[str, str] = field(default_factory=dict)
 
 
 def stop_processes_under(marker: str) -> None:
@@ -52,13 +66,17 @@ def stop_processes_under(marker: str) -> None:
             pass
 
 
-def _ray_start(args: list[str], env: dict[str, str], temp: str) -> None:
+def _ray_start(args: list[str], env: dict[str, str], temp: str, hidden: Path | None = None) -> None:
     """``ray start ARGS``, tried twice. Ray waits a hard-coded 30 s for a new node to register, which
-    two cores busy with the rest of the suite sometimes exceed; the second try starts clean."""
+    two cores busy with the rest of the suite sometimes exceed; the second try starts clean.
+    ``hidden``: a folder the node sees empty (see the module's docstring)."""
+    command = [RAY, "start", *args]
+    if hidden is not None:
+        mount = 'mount -t tmpfs -o size=64m hpsweep-hidden "$0" && exec "$@"'
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+        command += [str(hidden), RAY, "start", *args]
     for attempt in (1, 2):
-        proc = subprocess.run(
-            [RAY, "start", *args], env=env, capture_output=True, text=True, timeout=120
-        )
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             return
         if attempt == 2 or "timed out during startup" not in proc.stdout + proc.stderr:
@@ -74,17 +92,24 @@ def ray_nodes(
     token: bool = True,
     worker_env: dict[str, str] | None = None,
     worker_args: tuple[str, ...] = (),
+    head_cpus: int = 1,
+    hidden: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
-    """A head node and ``workers`` worker nodes, 1 CPU each, bound to 127.0.0.1; with token
-    authentication unless ``token=False``. ``worker_env`` is added to the worker nodes' environment
-    (their Ray workers inherit it), and ``worker_args`` to their ``ray start``."""
+    """A head node with ``head_cpus`` CPUs and ``workers`` worker nodes with 1 CPU each, bound to
+    127.0.0.1; with token authentication unless ``token=False``. ``env`` is added to every node's
+    environment and the cluster's, ``worker_env`` to the worker nodes' (their Ray workers inherit
+    both), and ``worker_args`` to their ``ray start``; the worker nodes see ``hidden`` empty."""
     temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     if token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     env.pop("RAY_ADDRESS", None)
-    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    home = Path(temp) / "home"
+    home.mkdir()
+    nodes_env = {**env, "HOME": str(home)}
+    common = ["--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
     try:
         _ray_start(
             [
@@ -94,18 +119,59 @@ def ray_nodes(
                 "--include-dashboard=false",
                 "--temp-dir",
                 temp,
+                "--num-cpus",
+                str(head_cpus),
                 *common,
             ],
-            env,
+            nodes_env,
             temp,
         )
         for _ in range(workers):
             _ray_start(
-                ["--address", f"127.0.0.1:{port}", *common, *worker_args],
-                {**env, **(worker_env or {})},
+                ["--address", f"127.0.0.1:{port}", "--num-cpus", "1", *common, *worker_args],
+                {**nodes_env, **(worker_env or {})},
                 temp,
+                hidden,
             )
-        yield Cluster(f"127.0.0.1:{port}", env)
+        yield Cluster(f"127.0.0.1:{port}", env, temp, nodes_env)
     finally:
         stop_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def joined_node(cluster: Cluster, *args: str) -> psutil.Process:
+    """One more worker node on ``cluster`` (``ray start --address ... ARGS``, 1 CPU); returns its
+    raylet, whose death takes the node's workers along and the node out of the cluster. The
+    cluster stops it with its other nodes."""
+    port = free_port()
+    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    _ray_start(
+        ["--address", cluster.address, "--node-manager-port", str(port), *common, *args],
+        cluster.nodes_env,
+        cluster.temp,
+    )
+    [raylet] = [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "raylet" and f"--node_manager_port={port}" in p.info["cmdline"]
+    ]
+    return raylet
+
+
+def ray_sweep(
+    cluster: Cluster, space: Path, out: Path, *extra: str, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """``hpsweep run SPACE --backend ray`` on ``cluster`` into ``out``, with ``extra`` flags."""
+    return hpsweep_cli(
+        "run",
+        space,
+        "--backend",
+        "ray",
+        "--address",
+        cluster.address,
+        "--output-dir",
+        out,
+        *extra,
+        env=cluster.env,
+        timeout=timeout,
+    )

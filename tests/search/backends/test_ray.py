@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from support import RANK_LOG, USER_SCRIPT_PRELUDE, free_port, hpsweep_cli, rank_steps, write_space
-from support.ray_nodes import Cluster, ray_nodes
+from support.ray_nodes import Cluster, ray_nodes, ray_sweep
 from support.sweep_invariants import violations
 
 from hpsweep import runs
@@ -31,21 +31,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def _ray_sweep(cluster: Cluster, space: Path, out: Path, *extra: str, timeout: float = 240):
-    return hpsweep_cli(
-        "run",
-        space,
-        "--backend",
-        "ray",
-        "--address",
-        cluster.address,
-        "--output-dir",
-        out,
-        "--resources-per-trial",
-        "cpu=1",
-        *extra,
-        env=cluster.env,
-        timeout=timeout,
-    )
+    return ray_sweep(cluster, space, out, "--resources-per-trial", "cpu=1", *extra, timeout=timeout)
 
 
 # A model that trains slowly while the flag file next to the space file exists: the first command

@@ -4,6 +4,7 @@
 - `_search`: what to try (hpsweep's space as Tune's, Tune's own searchers and schedulers);
 - `_trial`: what runs inside a Tune trial (its claim from the ledger, its training, its report);
 - `_cluster`: connecting to the cluster and shipping the space file and runs to its nodes;
+- `_preflight`: what the cluster must offer before any trial (resources, storage every node reaches);
 - `_stopping`: how Ctrl-C, SIGTERM and a trial's user error stop a Tune round.
 """
 

@@ -21,9 +21,13 @@ where trials start (the README's "When things go wrong"):
   `._trial`): two commands on one folder share the work, and a failed trial is recorded
   while another runs instead. Tune's ``FailureConfig`` retries a trial whose worker died within
   a round.
+- Before any trial the driver checks that the cluster can run the sweep (`._preflight`): some
+  node can hold a trial, and on several nodes, each reaches Ray's storage; else one line.
 - After a round the driver tells the ledger what Tune saw and the trials could not record
-  (`Ledger.settle`): a trial the sweep's stop cut short runs again, not ``pruned``; one whose
-  workers died in two rounds of one command is recorded as failed.
+  (`Ledger.fail_unrecorded`, `Ledger.settle`): a trial Tune failed before it recorded itself, or
+  that Ray could not place (`._stopping.PlacementWatch`), is recorded as failed, so it counts
+  towards ``--max-failed-trials``; a trial the sweep's stop cut short runs again, not
+  ``pruned``; one whose workers died in two rounds of one command is recorded as failed.
 
 Each evaluation is reported to Tune with the metrics, ``objective`` and, when one was saved at
 that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*``, with
@@ -33,8 +37,9 @@ may index the trial like a dict (``trial["learning_rate"]``).
 
 This module holds the backend's settings and the rounds; private helpers beside it carry the
 rest: `._search` (the space, search algorithms and schedulers in Tune's terms), `._trial` (what
-runs on the workers), `._cluster` (joining a cluster, nodes without ``--output-dir``) and
-`._stopping` (how a signal or a user error stops a round).
+runs on the workers), `._cluster` (joining a cluster, nodes without ``--output-dir``),
+`._preflight` (what the cluster must offer) and `._stopping` (how a signal, a user error or
+trials Ray cannot place stop a round).
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
@@ -65,6 +70,7 @@ from hpsweep.search.backends._ray._cluster import (
     shipped_record,
     stop_file,
 )
+from hpsweep.search.backends._ray._preflight import check_resources, check_storage
 from hpsweep.search.backends._ray._search import (
     VariantGenerator,
     fresh_copy,
@@ -79,18 +85,18 @@ from hpsweep.search.backends._ray._search import (
     tune_space,
     worst_of,
 )
-from hpsweep.search.backends._ray._stopping import StopOnUserError, StopSignals
+from hpsweep.search.backends._ray._stopping import PlacementWatch, StopOnUserError, StopSignals
 from hpsweep.search.backends._ray._trial import (
     AGAIN_KEY,
     METRIC,
     USER_ERROR_KEY,
     RoundPlan,
+    number_in_name,
     record_id,
     trainable,
     trial_name,
 )
 from hpsweep.search.ledger import AGAIN, Ledger
-from hpsweep.search.loop import RESTARTS_PER_WORKER
 from hpsweep.search.space import Float, Int
 from hpsweep.train.arguments import apply_params, field_types
 
@@ -150,8 +156,6 @@ class RayBackend(Backend):
         # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
         # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
-        # Tune trials that ended in ERROR (their worker died), in this command
-        self._workers_lost = 0
 
     def _choose_search(self, settings: SearchSettings) -> None:
         """Tune's scheduler and search algorithm: objects given as they are (a copy per round),
@@ -210,35 +214,45 @@ class RayBackend(Backend):
         return tune_space(self.settings.space) if self.settings.space is not None else {}
 
     def run(self, loop: Any) -> None:
-        """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
+        """Join the cluster, check that it can run the sweep, then run the rounds."""
         runner = self._runner(loop.runner)
+        self._job = runner.job
         _pickle_user_code(loop.runner)
-        with (
-            connected(self.settings.address, self.resources["cpu"]),
-            StopSignals() as signals,
-            output_dir_marker(self.settings.output_dir) as marker,
+        with connected(self.settings.address, self.resources["cpu"]):
+            self._check_cluster()
+            with StopSignals() as signals, output_dir_marker(self.settings.output_dir) as marker:
+                self._rounds(loop, runner, signals, marker)
+
+    def _check_cluster(self) -> None:
+        """Before any trial: what each trial reserves on this cluster, and that the cluster can
+        run the sweep (see `._preflight`), else one line."""
+        if (
+            "gpu" not in self.settings.resources_per_trial
+            and ray.cluster_resources().get("GPU", 0) > 0
         ):
-            if (
-                "gpu" not in self.settings.resources_per_trial
-                and ray.cluster_resources().get("GPU", 0) > 0
-            ):
-                # A cluster (--address) with GPUs and no gpu= given: a GPU per process, as on one machine.
-                self.resources["gpu"] = float(self.settings.processes_per_trial)
-            signals.stop_file = stop_file(self.settings.output_dir, marker)
-            deadline = loop.deadline_wall
-            plan = RoundPlan(
-                marker=marker,
-                n_trials=self.settings.n_trials,
-                started=loop.started,
-                max_failed_trials=self.settings.max_failed_trials,
-                deadline=deadline,
-                budget=self._evaluation_budget(runner),
-                worst_extra=worst_of(self.own_metric),
-            )
-            while deadline is None or time.time() < deadline:
-                if not self._next_round(loop.ledger, runner, plan, signals):
-                    return
-                loop.check_failures()
+            # A cluster (--address) with GPUs and no gpu= given: a GPU per process, as on one machine.
+            self.resources["gpu"] = float(self.settings.processes_per_trial)
+        check_resources(self.resources)
+        given = self.settings.options.get("storage") or self.settings.storage
+        check_storage(self.storage_path, given=bool(given))
+
+    def _rounds(self, loop: Any, runner: Any, signals: StopSignals, marker: str) -> None:
+        """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
+        signals.stop_file = stop_file(self.settings.output_dir, marker)
+        deadline = loop.deadline_wall
+        plan = RoundPlan(
+            marker=marker,
+            n_trials=self.settings.n_trials,
+            started=loop.started,
+            max_failed_trials=self.settings.max_failed_trials,
+            deadline=deadline,
+            budget=self._evaluation_budget(runner),
+            worst_extra=worst_of(self.own_metric),
+        )
+        while deadline is None or time.time() < deadline:
+            if not self._next_round(loop.ledger, runner, plan, signals):
+                return
+            loop.check_failures()
 
     def _runner(self, runner: Any) -> Any:
         """The trial runner the workers get: with a Tune-domain hp_space, Tune samples the params
@@ -329,12 +343,13 @@ class RayBackend(Backend):
         signals: StopSignals,
     ) -> None:
         """One Tune experiment of the trials ``search`` makes, then what its end leaves on disk."""
-        stopper = StopOnUserError(signals.stop_file)
+        watch = PlacementWatch(self.resources)
+        stopper = StopOnUserError(signals.stop_file, watch)
         tuner = tune.Tuner(
             tune.with_resources(trainable(runner, plan), self.resources),
             param_space=search.param_space,
             tune_config=self._tune_config(search),
-            run_config=self._run_config(stopper),
+            run_config=self._run_config(stopper, watch),
         )
         with signals.tune_running():
             results = tuner.fit()
@@ -359,7 +374,7 @@ class RayBackend(Backend):
             trial_dirname_creator=search.namer,
         )
 
-    def _run_config(self, stopper: StopOnUserError) -> tune.RunConfig:
+    def _run_config(self, stopper: StopOnUserError, watch: PlacementWatch) -> tune.RunConfig:
         s = self.settings
         # Tune's copies of the checkpoints: 2 a trial, except under PBT, which restores a trial from
         # another's checkpoint some time after choosing it; by then that trial may have saved two
@@ -371,6 +386,7 @@ class RayBackend(Backend):
             storage_path=self.storage_path,
             verbose=0,
             stop=stopper,
+            callbacks=[watch],
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
             checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
             progress_reporter=None,
@@ -407,8 +423,9 @@ class RayBackend(Backend):
         stopper: StopOnUserError,
         signals: StopSignals,
     ) -> None:
-        """Tell the ledger what Tune did where a trial could not record it itself (`Ledger.settle`),
-        then end the sweep on a user error, a signal or too many lost workers."""
+        """Tell the ledger what Tune did where a trial could not record it itself (the trials it
+        failed or could not place that have no record, then `Ledger.settle`), then end the sweep on
+        a user error or a signal; the loop ends it on too many failed trials."""
         user_error = next(
             (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
         )
@@ -420,9 +437,10 @@ class RayBackend(Backend):
         if stops:
             # Tune's fit() returns once it asked the round's actors to stop, not once they are gone
             ledger.wait_for_endings(ids, ENDINGS_WAIT_S)
-        lost = {record_id(t) for t in trials if t.status == "ERROR"}
-        self._workers_lost += sum(t.status == "ERROR" for t in trials)
+        stuck = stopper.watch.stuck if stopper.watch else set()
+        lost = {record_id(t) for t in trials if t.status == "ERROR" or t.trial_id in stuck}
         with ledger.locked():
+            self._fail_unrecorded(ledger, trials, stopper.watch)
             ledger.settle(
                 ids,
                 stopped_at=min(stops) if stops else None,
@@ -434,12 +452,49 @@ class RayBackend(Backend):
             raise UserError(str(user_error))
         if signals.stopped_at is not None:
             raise Interrupted(signals.signum)
-        # before a trial could even record
-        if self._workers_lost > RESTARTS_PER_WORKER * self.settings.n_jobs:
-            raise RuntimeError(
-                f"{self._workers_lost} Ray workers died (Tune's trials ended in ERROR); "
-                "see Ray's logs and the system log (out of memory?)"
+
+    def _fail_unrecorded(
+        self, ledger: Ledger, trials: list[Any], watch: PlacementWatch | None
+    ) -> None:
+        """Record as failed the trials of a round that Tune failed (its storage check, an actor
+        that died before the trial took its place in the ledger) or that Ray could not place, and
+        that have no record: they count towards ``--max-failed-trials``, so a cluster that cannot
+        run a trial ends the sweep in one line instead of rounds of trials failing out of sight."""
+        known = {r.id for r in ledger.records(fresh=True)}
+        for t in trials:
+            if record_id(t) in known:
+                continue
+            if t.status == "ERROR":
+                error = f"Ray Tune failed it before it could record itself: {_tune_error(t)}"
+            elif watch is not None and t.trial_id in watch.stuck:
+                error = watch.reason
+            else:
+                continue  # it had nothing to run (the ledger had enough)
+            template = runs.TrialRecord(
+                id=t.trial_id,
+                number=0,
+                backend=self.name,
+                params={k: v for k, v in t.config.items() if k != AGAIN_KEY},
+                objective_name=self._job.objective_name,
+                directions=list(self.settings.directions),
+                user_attrs={"ray_trial_id": t.trial_id},
             )
+            ledger.fail_unrecorded(
+                t.trial_id, error=error, template=template, number=number_in_name(str(t))
+            )
+
+
+def _tune_error(tune_trial: Any) -> str:
+    """The first line of the error Tune kept for a trial it ended in ERROR."""
+    try:
+        exc = tune_trial.get_pickled_error() or tune_trial.get_error()
+    except Exception:  # Tune keeps it in its storage: unreadable, or never written
+        exc = None
+    if exc is None:
+        return "see Ray's logs"
+    cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the trial's own exception
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""How the sweep's stop reaches a Ray Tune round, for the Ray Tune backend: Ctrl-C, SIGTERM and a
-trial's user error. A private helper of `hpsweep.search.backends._ray`.
+"""How the sweep's stop reaches a Ray Tune round, for the Ray Tune backend: Ctrl-C, SIGTERM, a
+trial's user error, and trials Ray cannot place (`PlacementWatch`). A private helper of
+`hpsweep.search.backends._ray`.
 
 Tune stops every trial the same way, whether its scheduler pruned it or the sweep stopped; the
 driver notes when the sweep began to stop (`StopSignals.stopped_at`, `StopOnUserError.stopped_at`)
@@ -22,24 +23,69 @@ from typing import Any
 from ray import tune
 
 from hpsweep.errors import Interrupted
+from hpsweep.search.backends._ray._preflight import autoscaling, describe, fits, live_nodes, offers
 from hpsweep.search.backends._ray._trial import USER_ERROR_KEY
+
+# How long a round may wait with none of its trials running and one that no live node can hold
+# (the nodes that could left the cluster) before it ends and those trials fail.
+PLACE_WAIT_S = float(os.environ.get("HPSWEEP_RAY_PLACE_WAIT_S", "120"))
+
+
+class PlacementWatch(tune.Callback):
+    """Notices a round that Ray cannot go on with: none of its trials runs, and those waiting
+    need more (``resources``) than any live node has, for `PLACE_WAIT_S` seconds, on a cluster no
+    autoscaler grows. Tune itself would wait for ever, logging a warning now and then. The trials
+    it gave up on (`stuck`, Tune's ids) and why (`reason`) go to the ledger as failures."""
+
+    LOOK_S = 1.0
+
+    def __init__(self, resources: dict[str, float]) -> None:
+        self.resources = resources
+        self.stuck: set[str] = set()
+        self.reason = ""
+        self._since: float | None = None
+        self._looked = 0.0
+
+    def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        waiting = [t for t in trials if t.status == "PENDING"]
+        if self.stuck or not waiting or any(t.status == "RUNNING" for t in trials):
+            self._since = None
+            return
+        now = time.monotonic()
+        if now - self._looked < self.LOOK_S:
+            return
+        self._looked = now
+        nodes = live_nodes()
+        if any(fits(n, self.resources) for n in nodes) or autoscaling():
+            self._since = None
+        elif self._since is None:
+            self._since = now
+        elif now - self._since >= PLACE_WAIT_S:
+            self.stuck = {t.trial_id for t in waiting}
+            self.reason = (
+                f"Ray could not place it for {PLACE_WAIT_S:g} s: no live node has "
+                f"{describe(self.resources)} for a trial ({offers(nodes) or 'no node'}); "
+                "did a node leave the cluster?"
+            )
 
 
 class StopOnUserError(tune.Stopper):
-    """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...)."""
+    """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...), or
+    when Ray cannot place its trials (`PlacementWatch`)."""
 
-    def __init__(self, stop_file: Path) -> None:
+    def __init__(self, stop_file: Path, watch: PlacementWatch | None = None) -> None:
         self.stop_file = stop_file
         self.stopped_at: float | None = None
+        self.watch = watch
 
     def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
         if USER_ERROR_KEY in result and self.stopped_at is None:
             self.stopped_at = time.time()
             self.stop_file.touch()
-        return self.stopped_at is not None
+        return self.stop_all()
 
     def stop_all(self) -> bool:
-        return self.stopped_at is not None
+        return self.stopped_at is not None or bool(self.watch and self.watch.stuck)
 
 
 class StopSignals:
