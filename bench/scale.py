@@ -11,7 +11,8 @@ counting and recording are measured, not a sampler.
 - hpsweep: ``hpsweep run space.py --storage URL --n-trials N`` on every worker: the trainer (one
   step, an evaluation, a checkpoint, trial.json, best/) with the study as the ledger;
 - optuna:  the peer a user writes by hand: ``study.optimize`` with the same sleep in each worker and
-  Optuna's ``MaxTrialsCallback(N)`` to stop (no checkpoints, no records).
+  Optuna's ``MaxTrialsCallback(N)`` to stop (no checkpoints, no records; its study is created
+  before the workers start, since bare Optuna workers that start together race to create it).
 
 Per side: trials finished (N is the promise), wall time from the first trial's start to the last
 one's end against the ideal (N x trial-s / W), the start (launch to first trial) and the end (last
@@ -123,7 +124,7 @@ def run_workers(
     if any(codes):
         bad = codes.index(next(c for c in codes if c))
         raise SystemExit(
-            f"worker {bad} exited {codes[bad]}:\n"
+            f"worker {bad} ({' '.join(command(root))[:200]}) exited {codes[bad]}:\n"
             + (root / f"worker-{bad}" / "stderr.txt").read_text()[-3000:]
         )
     return launched, ended, connections
@@ -148,6 +149,10 @@ def measure(side: str, url: str, database: str, args: argparse.Namespace, pg, ro
             str(home), "--sampler", "random", "--pruner", "none",
         ]  # fmt: skip
 
+    if side == "optuna":
+        # Optuna's own workers race to create the tables and the study, and some die of it: the
+        # peer's study is made first, as a user of bare Optuna must (hpsweep's workers need not).
+        optuna.create_study(study_name=study_name, storage=pg.url(database))
     launched, ended, connections = run_workers(command, args.workers, root / side, pg, database)
     study = optuna.load_study(study_name=study_name, storage=pg.url(database))
     done = [t for t in study.trials if t.state.name == "COMPLETE"]
