@@ -63,6 +63,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["| hand |", "| hpsweep |", "| hpsweep-pinned |"],
     ),
     "ray_overhead.py": (["--trials", "2", "--concurrency", "1"], ["hpsweep", "torch"]),
+    "scale.py": (
+        ["--workers", "2", "--trials", "4", "--trial-s", "0.1"],
+        ["| hpsweep | database | 4 |", "| optuna | database |", "| hpsweep | proxy | 4 |"],
+    ),
 }
 
 

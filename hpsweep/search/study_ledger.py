@@ -142,6 +142,8 @@ class StudyLedger:
         running = sum(t.state == TrialState.RUNNING for t in trials)
         if self.n_trials is not None and finished + running >= self.n_trials:
             return "wait"  # no room for one more; a running one may fail or die
+        if backend.exhausted():
+            return "done"  # a finished grid
         asked = study.ask()
         if not self._admitted(study, asked._trial_id):
             study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)

@@ -155,6 +155,14 @@ def test_every_sampler_runs(tmp_path: Path, sampler: str) -> None:
         assert len({json.dumps(r.params, sort_keys=True) for r in records}) == 3
 
 
+def test_a_grid_smaller_than_n_trials_ends_once_every_point_ran(tmp_path: Path) -> None:
+    space = write_space(tmp_path, epochs=1, space='{"hidden": hpsweep.Categorical([8, 16])}')
+    hpsweep_cli("run", space, "--n-trials", "5", "--sampler", "grid", check=True)
+    records = runs.read_trials(tmp_path / "out")
+    assert sorted(r.params["hidden"] for r in records) == [8, 16]
+    assert all(r.state == "complete" for r in records)
+
+
 @pytest.mark.parametrize("pruner", ["hyperband", "sha", "none"])
 def test_every_pruner_runs(tmp_path: Path, pruner: str) -> None:
     space = write_space(tmp_path, epochs=3)

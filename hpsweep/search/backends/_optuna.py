@@ -330,6 +330,11 @@ class OptunaBackend(Backend):
     def tell(self, trial: Any, state: str, value: Any = None) -> None:
         try:
             self._tell(trial, state, value)
+        except RuntimeError:
+            # A grid sampler stops the study once every point is asked, which Optuna allows only
+            # inside study.optimize; the trial is told all the same, and `exhausted` ends the sweep.
+            if not self.exhausted():
+                raise
         except optuna.exceptions.UpdateFinishedTrialError:
             # another machine judged this trial's process dead (its heartbeat stopped while the
             # database was away) and runs it again; that run records it
@@ -359,6 +364,10 @@ class OptunaBackend(Backend):
                 storage.set_trial_state_values(int(ref), TrialState.FAIL)
         except (KeyError, ValueError, RuntimeError):
             pass  # already finished, or another storage's trial
+
+    def exhausted(self) -> bool:
+        """Whether the sampler has nothing more to try (a grid whose every point was asked)."""
+        return self.study is not None and self._grid_done(self.study)
 
     @staticmethod
     def _grid_done(study: optuna.Study) -> bool:
