@@ -88,20 +88,31 @@ def test_machines_share_one_count_one_best_and_one_home(pg, tmp_path):
     assert best.objective == pytest.approx(study.best_value)
     assert (home / "best" / "model.safetensors").exists()
 
-    # A machine that names another home is refused before it writes anything, even to the study.
+    # A machine whose command disagrees with the study is refused before it writes anything,
+    # even to the study: another home, other directions, another space.
     other = tmp_path / "elsewhere"
-    refused = subprocess.run(
-        [sys.executable, "-m", "hpsweep.cli", "run", *sweep_args(space, url, "s1", other, 8)],
+    assert str(home) in refused(sweep_args(space, url, "s1", other, 8))
+    assert not other.exists()
+    flipped = write_space(tmp_path, name="flipped.py", objective="eval_loss", direction="minimize")
+    assert "maximize" in refused(sweep_args(flipped, url, "s1", home, 8))
+    narrower = write_space(tmp_path, name="narrower.py", space='{"hidden": hpsweep.Int(8, 16)}')
+    assert "hidden" in refused(sweep_args(narrower, url, "s1", home, 8))
+    assert len(optuna.load_study(study_name="s1", storage=url).trials) == len(study.trials)
+
+
+def refused(args: list[str]) -> str:
+    """The one line an `hpsweep run` with ``args`` is refused with (exit 2)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpsweep.cli", "run", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert refused.returncode == 2
-    lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and str(home) in lines[0] and "--output-dir" in lines[0]
-    assert PASSWORD not in refused.stdout + refused.stderr
-    assert not other.exists()
-    assert len(optuna.load_study(study_name="s1", storage=url).trials) == len(study.trials)
+    assert proc.returncode == 2, proc.stderr
+    assert PASSWORD not in proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
 
 
 def _wait_for_checkpoint(home: Path) -> Path:
