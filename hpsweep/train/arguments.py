@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep.errors import UserError, did_you_mean
+from hpsweep.train import hf_fields
 from hpsweep.train.transformers_view import TransformersView
 
+DEFAULT_OUTPUT_DIR = "hpsweep-output"
 STRATEGIES = ("no", "steps", "epoch")
 SAMPLING = (
     "random",
@@ -68,29 +70,21 @@ OPTIMIZERS = (
     "asgd",
 )
 PRECISIONS = ("no", "fp16", "bf16")
+WORKER_STARTS = ("spawn", "fork", "forkserver")  # dataloader_multiprocessing_context
 METRIC_INCLUDES = ("inputs", "loss")
 
-#: Names a user of transformers may pass that we refuse, with the fix (the rest get a generic one).
+#: What pushing means in hpsweep, for push_to_hub=True and transformers 4's push_to_hub_* names.
+PUSH_FIX = (
+    "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
+    "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"
+)
+#: Names of transformers 4 a user may pass that we refuse, with the fix (the rest get a generic
+#: one). transformers 5's fields are all in `hpsweep.train.hf_fields.FIELDS`.
 HF_REFUSED = {
     **dict.fromkeys(
-        (
-            "hub_model_id",
-            "hub_token",
-            "hub_strategy",
-            "hub_private_repo",
-            "hub_always_push",
-            "hub_revision",
-            "push_to_hub_model_id",
-            "push_to_hub_organization",
-            "push_to_hub_token",
-        ),
-        "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
-        "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)",
+        ("push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"), PUSH_FIX
     ),
     "no_cuda": "use use_cpu=True",
-    **dict.fromkeys(
-        ("deepspeed", "fsdp"), "use --processes-per-trial N (accelerate data parallel)"
-    ),
 }
 
 
@@ -99,6 +93,10 @@ class _ArgumentsMeta(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         names = field_types(cls)
+        for name in [n for n in kwargs if n not in names and n in hf_fields.FIELDS]:
+            # a transformers field hpsweep does not hold: refused unless at transformers' default
+            value = kwargs.pop(name)
+            hf_fields.check(name, value, hf_fields.FIELDS[name][1], "TrainingArguments")
         for name in kwargs:
             if name not in names:
                 fix = HF_REFUSED.get(
@@ -121,7 +119,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     a trial param naming one of them is set like any other field.
     """
 
-    output_dir: str = "hpsweep-output"
+    output_dir: str | None = DEFAULT_OUTPUT_DIR  # None (transformers 5's default): the same
     # length of training
     num_train_epochs: float = 3.0
     max_steps: int = -1
@@ -138,6 +136,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     length_column_name: str = "length"
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
+    # with dataloader_num_workers > 0: workers kept between epochs, batches loaded ahead by each,
+    # and how they start ("spawn", "fork", "forkserver")
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    dataloader_multiprocessing_context: str | None = None
     remove_unused_columns: bool = True
     label_names: list | None = None
     # optimizer
@@ -192,7 +195,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     bf16_full_eval: bool = False
     use_cpu: bool = False
     # transformers' (its models' activation_checkpointing_enable)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = False  # None (transformers 5's default): False
     activation_checkpointing_kwargs: dict | None = None
     # torch.compile the model, through accelerate (backend inductor unless given)
     torch_compile: bool = False
@@ -216,6 +219,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
 
     def __post_init__(self) -> None:
         types_ = field_types(type(self))
+        if self.output_dir is None:
+            self.output_dir = DEFAULT_OUTPUT_DIR
         for name in ("eval_steps", "save_steps", "logging_steps"):
             value = getattr(self, name)
             if isinstance(value, float) and 0 < value < 1:
@@ -251,10 +256,21 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
                 self.metric_for_best_model = f"eval_{self.metric_for_best_model}"
             if self.greater_is_better is None:
                 self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        self._default_steps()
         self._check()
+
+    def _default_steps(self) -> None:
+        """transformers' rules for a steps schedule without its steps: checkpoints every 500 steps
+        (its save_strategy default is "steps"), evaluations every logging_steps."""
+        if self.save_strategy == "steps" and self.save_steps is None:
+            self.save_steps = 500
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
 
     def _resolve_aliases(self) -> None:
         """Fold Hugging Face's alternative names into ours; the alias then reads the same value."""
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = False
         if self.evaluation_strategy is not None:
             self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
         for alias in ("disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs"):
@@ -295,6 +311,14 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             ("mixed_precision", PRECISIONS),
         ):
             _choice(name, getattr(self, name), allowed)
+        if self.dataloader_multiprocessing_context is not None:
+            _choice(
+                "dataloader_multiprocessing_context",
+                self.dataloader_multiprocessing_context,
+                WORKER_STARTS,
+            )
+        if self.dataloader_prefetch_factor is not None:
+            _positive("dataloader_prefetch_factor", self.dataloader_prefetch_factor)
         if self.torch_compile:
             from accelerate.utils import DynamoBackend
 
@@ -329,9 +353,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         if self.fp16_full_eval and self.bf16_full_eval:
             raise UserError("fp16_full_eval=True and bf16_full_eval=True: choose one")
         if self.push_to_hub:
-            raise UserError(
-                f"push_to_hub=True: {HF_REFUSED['hub_model_id']}; leave push_to_hub=False"
-            )
+            raise UserError(f"push_to_hub=True: {PUSH_FIX}; leave push_to_hub=False")
         for name in ("label_names", "include_for_metrics"):
             value = getattr(self, name)
             if value is not None and not (

@@ -205,6 +205,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             drop_last=args.dataloader_drop_last and train,
             pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
             generator=torch.Generator().manual_seed(seed) if shuffled else None,
+            **_worker_options(args),
         )
 
     # --- transformers' override points: what a subclass replaces -------------------------------------
@@ -419,3 +420,15 @@ def _context_of(trainer: weakref.ref) -> Callable[[], dict[str, Any]]:
         return owner._callback_context() if owner is not None else {}
 
     return context
+
+
+def _worker_options(args: TrainingArguments) -> dict[str, Any]:
+    """The ``DataLoader`` options that only worker processes take, as transformers passes them:
+    with ``dataloader_num_workers > 0`` only (torch refuses them otherwise)."""
+    if args.dataloader_num_workers == 0:
+        return {}
+    return {
+        "persistent_workers": args.dataloader_persistent_workers,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+    }

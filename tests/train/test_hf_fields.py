@@ -1,0 +1,214 @@
+"""Every field of the installed ``transformers.TrainingArguments``: known to hpsweep, accepted at
+its default (as a keyword and in a converted transformers instance), and at another value honoured,
+accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the README's
+table shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import hpsweep
+from hpsweep import TrainingArguments, UserError
+from hpsweep.train import hf_fields
+from hpsweep.train.hf_fields import ACCEPTED, FIELDS, HONOURED, REFUSED
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+THEIRS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+OURS = {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def other_than(default: Any) -> Any:
+    """A value that is not ``default``, of a kind the field takes."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 2
+    if isinstance(default, str):
+        return default + "x"
+    return "x"
+
+
+def fates(fate: str) -> list[str]:
+    return [name for name, (f, _, _) in FIELDS.items() if f == fate and name in THEIRS]
+
+
+def test_every_transformers_field_is_known_to_hpsweep_with_its_default() -> None:
+    unknown = sorted(set(THEIRS) - OURS - set(FIELDS))
+    assert not unknown, (
+        f"add these transformers fields to hpsweep.train.hf_fields.FIELDS: {unknown}"
+    )
+    for name, (fate, default, why) in FIELDS.items():
+        assert (name in OURS) == (fate == HONOURED), name
+        assert why and "\n" not in why and "|" not in why, name
+        if name in THEIRS:
+            assert hf_fields.same(default_of(THEIRS[name]), default), name
+
+
+def test_every_field_at_its_default_is_accepted_as_a_keyword_one_by_one_and_all_at_once() -> None:
+    defaults = {name: default_of(f) for name, f in THEIRS.items()}
+    for name, value in defaults.items():
+        TrainingArguments(**{name: value})
+    args = TrainingArguments(**defaults)  # a script that spells out transformers' defaults
+    assert (args.output_dir, args.save_strategy, args.save_steps) == (
+        "hpsweep-output",
+        "steps",
+        500,
+    )
+    assert args.activation_checkpointing is False and args.eval_strategy == "no"
+    assert TrainingArguments(eval_strategy="steps", logging_steps=20).eval_steps == 20
+
+
+def test_a_transformers_instance_at_its_defaults_or_with_hub_fields_converts(
+    tmp_path: Path,
+) -> None:
+    assert (
+        hpsweep.Trainer(
+            model_init=Net, args=transformers.TrainingArguments(str(tmp_path))
+        ).args.save_steps
+        == 500
+    )
+    token = "hf_" + "s3cret" * 6
+    hf_args = transformers.TrainingArguments(
+        str(tmp_path),
+        hub_model_id="me/model",
+        hub_token=token,
+        hub_strategy="end",
+        hub_private_repo=True,
+        report_to="none",
+    )
+    args = hpsweep.Trainer(model_init=Net, args=hf_args).args
+    assert args.output_dir == str(tmp_path)
+    # the token is not kept anywhere the arguments are written or logged
+    shown = repr(args) + json.dumps(args.to_dict(), default=str) + args.to_json_string()
+    assert token not in shown and not hasattr(args, "hub_token")
+
+
+@pytest.mark.parametrize("name", fates(ACCEPTED))
+def test_an_accepted_field_takes_another_value(name: str) -> None:
+    TrainingArguments(**{name: other_than(FIELDS[name][1])})
+
+
+def test_accepted_fields_set_in_a_transformers_instance_convert(tmp_path: Path) -> None:
+    hf_args = transformers.TrainingArguments(
+        str(tmp_path),
+        log_level="info",
+        logging_nan_inf_filter=False,
+        skip_memory_metrics=False,
+        include_num_input_tokens_seen="all",
+        eval_accumulation_steps=2,
+        torch_empty_cache_steps=4,
+        resume_from_checkpoint=str(tmp_path / "checkpoint-1"),
+        ddp_timeout=60,
+        report_to="none",
+    )
+    assert hpsweep.Trainer(model_init=Net, args=hf_args).args.output_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("name", fates(REFUSED))
+def test_a_refused_field_at_another_value_is_one_line_saying_why_and_what_to_use(name: str) -> None:
+    value = other_than(FIELDS[name][1])
+    with pytest.raises(UserError) as info:
+        TrainingArguments(**{name: value})
+    message = str(info.value)
+    assert "\n" not in message and f"{name}={value!r}" in message, message
+    assert FIELDS[name][2] in message
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(batch_eval_metrics=True),
+        dict(eval_do_concat_batches=False),
+        dict(debug="underflow_overflow"),
+    ],
+)
+def test_a_refused_field_in_a_transformers_instance_is_one_line(tmp_path: Path, setting) -> None:
+    hf_args = transformers.TrainingArguments(str(tmp_path), report_to="none", **setting)
+    with pytest.raises(UserError) as info:
+        hpsweep.Trainer(model_init=Net, args=hf_args)
+    (name,) = setting
+    assert "\n" not in str(info.value) and name in str(info.value)
+
+
+def test_the_readme_field_table_is_the_code_table() -> None:
+    assert hf_fields.markdown_table() in README.read_text(), (
+        "README.md's table of transformers fields differs from hpsweep.train.hf_fields.FIELDS; "
+        "paste the output of `python -m hpsweep.train.hf_fields` in its place"
+    )
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x, labels):
+        logits = self.linear(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class PidRecording(torch.utils.data.Dataset):
+    """Samples that write the id of the process loading them to ``log``."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        with self.log.open("a") as out:
+            out.write(f"{os.getpid()}\n")
+        return self.x[i], int(self.x[i, 0] > 0)
+
+
+def worker_pids(tmp_path: Path, persistent: bool) -> set[str]:
+    """The worker processes that loaded two epochs of training data."""
+    log = tmp_path / f"pids-{persistent}"
+    args = TrainingArguments(
+        str(tmp_path / str(persistent)),
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        eval_strategy="no",
+        save_strategy="no",
+        dataloader_num_workers=1,
+        dataloader_persistent_workers=persistent,
+        dataloader_prefetch_factor=3,
+        dataloader_multiprocessing_context="fork",
+        disable_progress=True,
+    )
+    trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=PidRecording(log))
+    loader = trainer.get_train_dataloader()
+    assert (loader.persistent_workers, loader.prefetch_factor) == (persistent, 3)
+    assert loader.multiprocessing_context is multiprocessing.get_context("fork")
+    log.unlink(missing_ok=True)
+    assert trainer.train().global_step == 8
+    return set(log.read_text().split())
+
+
+def test_dataloader_worker_fields_reach_the_training_loader(tmp_path: Path) -> None:
+    # persistent workers load both epochs in one process; others start new ones each epoch
+    assert len(worker_pids(tmp_path, persistent=True)) == 1
+    assert len(worker_pids(tmp_path, persistent=False)) == 2
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    plain = TrainingArguments(str(tmp_path), dataloader_prefetch_factor=3)  # no workers: unused
+    assert hpsweep.Trainer(model_init=Net, args=plain, train_dataset=data).get_train_dataloader()
+    with pytest.raises(UserError, match="dataloader_multiprocessing_context='spwan'.*'spawn'"):
+        TrainingArguments(dataloader_multiprocessing_context="spwan")
