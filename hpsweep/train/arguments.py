@@ -175,6 +175,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     logging_strategy: str = "epoch"
     logging_steps: int = 50
     logging_first_step: bool = False
+    # a NaN or inf step loss is logged as the mean of the interval's other steps, as transformers
+    logging_nan_inf_filter: bool = True
     eval_delay: float = 0  # no evaluation before this many epochs (or steps, on a steps schedule)
     eval_on_start: bool = False
     metric_for_best_model: str | None = None

@@ -56,9 +56,10 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "log_level_replica": (ACCEPTED, "warning", _NO_LOGS),
     "log_on_each_node": (ACCEPTED, True, _NO_LOGS),
     "logging_nan_inf_filter": (
-        ACCEPTED,
+        HONOURED,
         True,
-        "the logged loss is the mean of the steps' losses, NaN or inf included",
+        "a NaN or inf step loss is logged (and counted in train_loss) as the mean of the logging "
+        "interval's steps so far",
     ),
     "skip_memory_metrics": (ACCEPTED, True, "hpsweep reports no memory metrics"),
     "include_num_input_tokens_seen": (ACCEPTED, "no", "hpsweep does not count input tokens"),
@@ -70,7 +71,7 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "eval_accumulation_steps": (
         ACCEPTED,
         None,
-        "each evaluation batch's predictions are gathered as it ends",
+        "each evaluation batch's predictions move to the CPU as it ends, as with 1 there",
     ),
     "eval_do_concat_batches": (
         REFUSED,

@@ -231,12 +231,20 @@ class TrainingLoop:
                 self.handler.fire("on_optimizer_step", args, state, control)
                 # the model's zero_grad: accelerate's optimizer inspects a signature per call
                 model.zero_grad(set_to_none=True)
-        self.running_loss += loss.detach()
+        self.running_loss += self._loggable(loss.detach())
         self.logged_steps += 1
         if not synced:
             self.handler.fire("on_substep_end", args, state, control)
             return False
         return self.on_step_end(epoch, skipped + micro_step + 1)
+
+    def _loggable(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as the logs count it: under ``logging_nan_inf_filter``, a NaN or inf one
+        is the mean of the interval's steps so far (transformers' rule), chosen on the device, so
+        that no step waits to read its loss."""
+        if not self.args.logging_nan_inf_filter:
+            return loss
+        return torch.where(loss.isfinite(), loss, self.running_loss / max(self.logged_steps, 1))
 
     def on_step_end(self, epoch: int, batches_done: int) -> bool:
         """Count the optimizer step (``batches_done`` batches into ``epoch``), let the flow and

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 from pathlib import Path
@@ -212,3 +213,43 @@ def test_dataloader_worker_fields_reach_the_training_loader(tmp_path: Path) -> N
     assert hpsweep.Trainer(model_init=Net, args=plain, train_dataset=data).get_train_dataloader()
     with pytest.raises(UserError, match="dataloader_multiprocessing_context='spwan'.*'spawn'"):
         TrainingArguments(dataloader_multiprocessing_context="spwan")
+
+
+class Poisoned(nn.Module):
+    """`Net` whose loss is NaN on the batches holding a NaN ``poison`` (gradients stay finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x, labels, poison):
+        logits = self.linear(x)
+        loss = nn.functional.cross_entropy(logits, labels) + poison.sum()
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_logging_nan_inf_filter_logs_a_nan_step_as_its_intervals_mean(
+    tmp_path: Path, nan_filter: bool
+) -> None:
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    poison = torch.zeros(32)
+    poison[12] = float("nan")  # in the second batch of 8
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long(), poison)
+    args = TrainingArguments(
+        str(tmp_path),
+        num_train_epochs=1,
+        per_device_train_batch_size=8,
+        train_sampling_strategy="sequential",
+        logging_strategy="steps",
+        logging_steps=2,
+        eval_strategy="no",
+        save_strategy="no",
+        disable_progress=True,
+        logging_nan_inf_filter=nan_filter,
+    )
+    trainer = hpsweep.Trainer(model_init=Poisoned, args=args, train_dataset=data)
+    out = trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and math.isfinite(losses[1])
+    assert math.isfinite(losses[0]) == nan_filter and math.isfinite(out.training_loss) == nan_filter
