@@ -71,6 +71,7 @@ OPTIMIZERS = (
 )
 PRECISIONS = ("no", "fp16", "bf16")
 WORKER_STARTS = ("spawn", "fork", "forkserver")  # dataloader_multiprocessing_context
+TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 METRIC_INCLUDES = ("inputs", "loss")
 
 #: What pushing means in hpsweep, for push_to_hub=True and transformers 4's push_to_hub_* names.
@@ -177,6 +178,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     logging_first_step: bool = False
     # a NaN or inf step loss is logged as the mean of the interval's other steps, as transformers
     logging_nan_inf_filter: bool = True
+    # count the input tokens trained on, logged as num_input_tokens_seen: "all" (or True),
+    # "non_padding" (those the attention_mask keeps), "no"
+    include_num_input_tokens_seen: str | bool = "no"
     eval_delay: float = 0  # no evaluation before this many epochs (or steps, on a steps schedule)
     eval_on_start: bool = False
     metric_for_best_model: str | None = None
@@ -259,6 +263,10 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             if self.greater_is_better is None:
                 self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         self._default_steps()
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers 4's spelling
+            self.include_num_input_tokens_seen = (
+                "all" if self.include_num_input_tokens_seen else "no"
+            )
         self._check()
 
     def _default_steps(self) -> None:
@@ -313,6 +321,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             ("mixed_precision", PRECISIONS),
         ):
             _choice(name, getattr(self, name), allowed)
+        _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, TOKEN_COUNTS)
         if self.dataloader_multiprocessing_context is not None:
             _choice(
                 "dataloader_multiprocessing_context",

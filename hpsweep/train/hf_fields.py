@@ -62,7 +62,12 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         "interval's steps so far",
     ),
     "skip_memory_metrics": (ACCEPTED, True, "hpsweep reports no memory metrics"),
-    "include_num_input_tokens_seen": (ACCEPTED, "no", "hpsweep does not count input tokens"),
+    "include_num_input_tokens_seen": (
+        HONOURED,
+        "no",
+        "'all' (or True) counts the main input's tokens, 'non_padding' those its attention_mask "
+        "keeps; every log and state.num_input_tokens_seen carry the count",
+    ),
     "project": (ACCEPTED, "huggingface", "Trackio is not started; a sweep is tracked by --mlflow"),
     "trackio_space_id": (ACCEPTED, None, "Trackio is not started; use --mlflow"),
     "trackio_bucket_id": (ACCEPTED, None, "Trackio is not started; use --mlflow"),

@@ -307,10 +307,12 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Hand ``logs`` with the epoch to the ``on_log`` callbacks and append them, with the step too,
-        to ``state.log_history``, as transformers does. ``start_time`` is transformers' parameter, for
-        the input-token throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does
-        not count."""
+        to ``state.log_history``, as transformers does; with ``include_num_input_tokens_seen``, the
+        input tokens trained on so far too. ``start_time`` is transformers' parameter (its tokens per
+        second), accepted and unused."""
         logs = {**logs, "epoch": self.state.epoch}
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -217,6 +218,8 @@ class TrainingLoop:
         args, state, control, ops, model = self.args, self.state, self.control, self.ops, self.model
         if micro_step % self.accumulation == 0:
             self.handler.fire("on_step_begin", args, state, control)
+        if args.include_num_input_tokens_seen != "no":
+            state.num_input_tokens_seen += input_tokens(batch, args, bare_model(model), self.acc)
         with ops.accumulate(model):
             loss = self.trainer.training_step(model, batch)
             synced = ops.synced()
@@ -306,3 +309,24 @@ class TrainingLoop:
             loss,
             {**summary, "epoch": state.epoch, **trainer.last_eval_metrics()},
         )
+
+
+def input_tokens(batch: Any, args: Any, model: Any, acc: Any) -> int:
+    """The tokens of ``batch``'s main input (the model's ``main_input_name``, else input_ids) on
+    every process, as transformers counts them for ``include_num_input_tokens_seen``: all of
+    them, or under "non_padding" those the batch's attention_mask keeps."""
+    mode, name = args.include_num_input_tokens_seen, getattr(model, "main_input_name", "input_ids")
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(name), torch.Tensor):
+        raise UserError(
+            f"include_num_input_tokens_seen={mode!r} counts the tokens of the batches' {name!r}, "
+            f"which these batches lack; give batches with {name!r} or leave it 'no'"
+        )
+    mask = batch.get("attention_mask") if mode == "non_padding" else None
+    count = (
+        mask.sum()
+        if isinstance(mask, torch.Tensor)
+        else batch[name].new_tensor(batch[name].numel())
+    )
+    if acc.num_processes > 1:
+        count = acc.reduce(count.to(acc.device), "sum")
+    return int(count)

@@ -154,6 +154,12 @@ def test_the_readme_field_table_is_the_code_table() -> None:
     )
 
 
+def run_args(out: Path, **fields: Any) -> TrainingArguments:
+    """Arguments of a short training run in batches of 8 that evaluates and saves nothing."""
+    quiet = dict(eval_strategy="no", save_strategy="no", disable_progress=True)
+    return TrainingArguments(str(out), per_device_train_batch_size=8, **{**quiet, **fields})
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -183,17 +189,13 @@ class PidRecording(torch.utils.data.Dataset):
 def worker_pids(tmp_path: Path, persistent: bool) -> set[str]:
     """The worker processes that loaded two epochs of training data."""
     log = tmp_path / f"pids-{persistent}"
-    args = TrainingArguments(
-        str(tmp_path / str(persistent)),
+    args = run_args(
+        tmp_path / str(persistent),
         num_train_epochs=2,
-        per_device_train_batch_size=8,
-        eval_strategy="no",
-        save_strategy="no",
         dataloader_num_workers=1,
         dataloader_persistent_workers=persistent,
         dataloader_prefetch_factor=3,
         dataloader_multiprocessing_context="fork",
-        disable_progress=True,
     )
     trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=PidRecording(log))
     loader = trainer.get_train_dataloader()
@@ -236,16 +238,12 @@ def test_logging_nan_inf_filter_logs_a_nan_step_as_its_intervals_mean(
     poison = torch.zeros(32)
     poison[12] = float("nan")  # in the second batch of 8
     data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long(), poison)
-    args = TrainingArguments(
-        str(tmp_path),
+    args = run_args(
+        tmp_path,
         num_train_epochs=1,
-        per_device_train_batch_size=8,
         train_sampling_strategy="sequential",
         logging_strategy="steps",
         logging_steps=2,
-        eval_strategy="no",
-        save_strategy="no",
-        disable_progress=True,
         logging_nan_inf_filter=nan_filter,
     )
     trainer = hpsweep.Trainer(model_init=Poisoned, args=args, train_dataset=data)
@@ -253,3 +251,54 @@ def test_logging_nan_inf_filter_logs_a_nan_step_as_its_intervals_mean(
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 2 and math.isfinite(losses[1])
     assert math.isfinite(losses[0]) == nan_filter and math.isfinite(out.training_loss) == nan_filter
+
+
+class Tokens(nn.Module):
+    """A classifier over token ids, as a language model takes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.head((self.embed(input_ids) * attention_mask[..., None]).mean(1))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def token_samples() -> list[dict[str, Any]]:
+    """16 samples of 6 token ids, of which the first 3 + i % 4 are not padding."""
+    return [
+        {
+            "input_ids": torch.arange(6) % 10,
+            "attention_mask": (torch.arange(6) < 3 + i % 4).long(),
+            "labels": i % 2,
+        }
+        for i in range(16)
+    ]
+
+
+@pytest.mark.parametrize(
+    "count, per_epoch", [("all", 16 * 6), ("non_padding", 4 * (3 + 4 + 5 + 6))]
+)
+def test_include_num_input_tokens_seen_counts_and_logs_the_input_tokens(
+    tmp_path: Path, count: str, per_epoch: int
+) -> None:
+    args = run_args(tmp_path, num_train_epochs=2, include_num_input_tokens_seen=count)
+    trainer = hpsweep.Trainer(model_init=Tokens, args=args, train_dataset=token_samples())
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == 2 * per_epoch
+    seen = [log["num_input_tokens_seen"] for log in trainer.state.log_history if "loss" in log]
+    assert seen == [per_epoch, 2 * per_epoch]  # one log per epoch
+    assert (
+        TrainingArguments(include_num_input_tokens_seen=True).include_num_input_tokens_seen == "all"
+    )
+
+
+def test_include_num_input_tokens_seen_without_token_ids_is_one_line(tmp_path: Path) -> None:
+    x = torch.randn(8, 4)
+    args = TrainingArguments(
+        str(tmp_path), include_num_input_tokens_seen="all", disable_progress=True
+    )
+    data = torch.utils.data.TensorDataset(x, torch.zeros(8, dtype=torch.long))
+    with pytest.raises(UserError, match=r"^include_num_input_tokens_seen='all'.*'input_ids'"):
+        hpsweep.Trainer(model_init=Net, args=args, train_dataset=data).train()
