@@ -27,6 +27,7 @@ from typing import Any
 
 from hpsweep.errors import UserError, did_you_mean
 from hpsweep.train import hf_fields
+from hpsweep.train.log_levels import LOG_LEVELS
 from hpsweep.train.transformers_view import TransformersView
 
 DEFAULT_OUTPUT_DIR = "hpsweep-output"
@@ -178,6 +179,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     logging_first_step: bool = False
     # a NaN or inf step loss is logged as the mean of the interval's other steps, as transformers
     logging_nan_inf_filter: bool = True
+    # the level of hpsweep's and transformers' logs, set when a Trainer is built: on the main
+    # process (of each machine, under log_on_each_node) and on the others; "passive": unchanged
+    log_level: str = "passive"
+    log_level_replica: str = "warning"
+    log_on_each_node: bool = True
     # count the input tokens trained on, logged as num_input_tokens_seen: "all" (or True),
     # "non_padding" (those the attention_mask keeps), "no"
     include_num_input_tokens_seen: str | bool = "no"
@@ -321,6 +327,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             ("mixed_precision", PRECISIONS),
         ):
             _choice(name, getattr(self, name), allowed)
+        for name in ("log_level", "log_level_replica"):
+            _choice(name, getattr(self, name), tuple(LOG_LEVELS))
         _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, TOKEN_COUNTS)
         if self.dataloader_multiprocessing_context is not None:
             _choice(

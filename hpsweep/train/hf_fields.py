@@ -27,7 +27,10 @@ _PUSH = (
     "`hf auth login` / HF_TOKEN and is never recorded)"
 )
 _ENGINE = "use --processes-per-trial N (accelerate data parallel)"
-_NO_LOGS = "hpsweep writes its own logs; set Python logging's levels to change them"
+_LOGS = (
+    "the level of hpsweep's and transformers' logs, set when a Trainer is built, on the main "
+    "process and on the others, as in transformers"
+)
 _DDP = "accelerate's data parallel under --processes-per-trial uses its own defaults"
 _DATALOADER = "only with dataloader_num_workers > 0, as in transformers"
 
@@ -52,9 +55,9 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     ),
     "dataloader_in_order": (ACCEPTED, True, "batches always come in the sampler's order"),
     # logging and metrics
-    "log_level": (ACCEPTED, "passive", _NO_LOGS),
-    "log_level_replica": (ACCEPTED, "warning", _NO_LOGS),
-    "log_on_each_node": (ACCEPTED, True, _NO_LOGS),
+    "log_level": (HONOURED, "passive", _LOGS),
+    "log_level_replica": (HONOURED, "warning", _LOGS),
+    "log_on_each_node": (HONOURED, True, _LOGS),
     "logging_nan_inf_filter": (
         HONOURED,
         True,

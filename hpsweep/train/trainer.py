@@ -46,6 +46,7 @@ from hpsweep.train.data import (
     train_sampler,
 )
 from hpsweep.train.evaluation import Evaluation
+from hpsweep.train.log_levels import apply_log_level
 from hpsweep.train.model_init import call_model_init, model_init_arity
 from hpsweep.train.predictions import (
     call_model,
@@ -108,6 +109,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             if args is not None
             else TrainingArguments()
         )
+        apply_log_level(self.args)
         self.model = model
         self.model_init = model_init
         self.train_dataset = train_dataset

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -302,3 +303,28 @@ def test_include_num_input_tokens_seen_without_token_ids_is_one_line(tmp_path: P
     data = torch.utils.data.TensorDataset(x, torch.zeros(8, dtype=torch.long))
     with pytest.raises(UserError, match=r"^include_num_input_tokens_seen='all'.*'input_ids'"):
         hpsweep.Trainer(model_init=Net, args=args, train_dataset=data).train()
+
+
+@pytest.fixture
+def log_levels():
+    """hpsweep's and transformers' log levels, put back as they were after the test."""
+    saved = logging.getLogger("hpsweep").level, transformers.logging.get_verbosity()
+    yield
+    logging.getLogger("hpsweep").setLevel(saved[0])
+    transformers.logging.set_verbosity(saved[1])
+
+
+def test_log_level_sets_hpsweep_and_transformers_logs_and_passive_leaves_them(
+    tmp_path: Path, log_levels
+) -> None:
+    hpsweep.Trainer(model_init=Net, args=TrainingArguments(str(tmp_path), log_level="debug"))
+    assert logging.getLogger("hpsweep.hub").isEnabledFor(logging.DEBUG)
+    assert transformers.logging.get_verbosity() == logging.DEBUG
+    hf_args = transformers.TrainingArguments(str(tmp_path), log_level="error", report_to="none")
+    hpsweep.Trainer(model_init=Net, args=hf_args)
+    assert not logging.getLogger("hpsweep.hub").isEnabledFor(logging.WARNING)
+    assert transformers.logging.get_verbosity() == logging.ERROR
+    hpsweep.Trainer(model_init=Net, args=TrainingArguments(str(tmp_path)))  # passive
+    assert transformers.logging.get_verbosity() == logging.ERROR
+    with pytest.raises(UserError, match="log_level='loud' is not one of detail, debug"):
+        TrainingArguments(log_level="loud")
