@@ -184,6 +184,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     log_level: str = "passive"
     log_level_replica: str = "warning"
     log_on_each_node: bool = True
+    # False: a training run's and an evaluation's memory in their metrics (*_mem_cpu_*, *_mem_gpu_*)
+    skip_memory_metrics: bool = True
     # count the input tokens trained on, logged as num_input_tokens_seen: "all" (or True),
     # "non_padding" (those the attention_mask keeps), "no"
     include_num_input_tokens_seen: str | bool = "no"

@@ -64,7 +64,12 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         "a NaN or inf step loss is logged (and counted in train_loss) as the mean of the logging "
         "interval's steps so far",
     ),
-    "skip_memory_metrics": (ACCEPTED, True, "hpsweep reports no memory metrics"),
+    "skip_memory_metrics": (
+        HONOURED,
+        True,
+        "False adds train_/eval_mem_cpu_alloc_delta and _peaked_delta (and _mem_gpu_ on CUDA) to "
+        "the metrics",
+    ),
     "include_num_input_tokens_seen": (
         HONOURED,
         "no",

@@ -29,6 +29,7 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
 from hpsweep.train.callbacks import TrainerControl, TrainerState, flow_on_epoch, flow_on_step
+from hpsweep.train.memory_metrics import MemoryTracker, stop_tracking
 from hpsweep.train.metrics import speed_metrics
 from hpsweep.train.model_init import enable_activation_checkpointing
 from hpsweep.train.model_init import set_seed as _set_seed
@@ -65,18 +66,24 @@ class TrainingLoop:
         """Train (``resume_from_checkpoint``: a checkpoint folder, or ``True`` for the run's latest
         one); every checkpoint is on disk when this returns, or raises."""
         self.args, self.started = self.trainer.args, time.time()
-        checkpoint = self.set_up(resume_from_checkpoint)
-        self.on_run_start(checkpoint)
+        # skip_memory_metrics=False: the run's memory, evaluations during it included
+        self.memory = self.trainer._memory_tracker = MemoryTracker.start(self.args, "train")
         try:
-            for epoch in range(self.epochs_done, self.state.num_train_epochs):
-                self.run_epoch(epoch)
-                if self.control.should_training_stop:
-                    break
-            self.trainer._checkpoint_writer.wait()
-        except BaseException as exc:
-            self.on_exception(exc)
-            raise
-        return self.on_run_end()
+            checkpoint = self.set_up(resume_from_checkpoint)
+            self.on_run_start(checkpoint)
+            try:
+                for epoch in range(self.epochs_done, self.state.num_train_epochs):
+                    self.run_epoch(epoch)
+                    if self.control.should_training_stop:
+                        break
+                self.trainer._checkpoint_writer.wait()
+            except BaseException as exc:
+                self.on_exception(exc)
+                raise
+            return self.on_run_end()
+        finally:
+            stop_tracking(self.memory)
+            self.trainer._memory_tracker = None
 
     # --- before the first step ---------------------------------------------------------------------
 
@@ -301,6 +308,7 @@ class TrainingLoop:
                 samples=samples * self.acc.num_processes,
             ),
             "train_loss": loss,
+            **stop_tracking(self.memory),
         }
         trainer.log(summary)  # as transformers ends: its on_log, then on_train_end
         self.handler.fire("on_train_end", args, state, self.control)

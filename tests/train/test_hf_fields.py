@@ -328,3 +328,21 @@ def test_log_level_sets_hpsweep_and_transformers_logs_and_passive_leaves_them(
     assert transformers.logging.get_verbosity() == logging.ERROR
     with pytest.raises(UserError, match="log_level='loud' is not one of detail, debug"):
         TrainingArguments(log_level="loud")
+
+
+def test_skip_memory_metrics_false_reports_a_runs_and_an_evaluations_memory(tmp_path: Path) -> None:
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    names = {f"mem_cpu_{kind}_delta" for kind in ("alloc", "peaked")}
+    for skip in (True, False):
+        args = run_args(tmp_path / str(skip), skip_memory_metrics=skip, eval_strategy="epoch")
+        trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=data, eval_dataset=data)
+        out, metrics = trainer.train(), trainer.evaluate()
+        during = [log for log in trainer.state.log_history if "eval_loss" in log]
+        assert not any(k.startswith("eval_mem") for k in during[0])  # counted in the run's
+        train = {k.removeprefix("train_") for k in out.metrics if k.startswith("train_mem")}
+        evaluation = {k.removeprefix("eval_") for k in metrics if k.startswith("eval_mem")}
+        assert train == evaluation == (set() if skip else names)
+        if not skip:
+            assert all(isinstance(out.metrics[f"train_{n}"], int) for n in names)
+            assert out.metrics["train_mem_cpu_peaked_delta"] >= 0
