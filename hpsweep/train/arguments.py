@@ -208,6 +208,10 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
     use_cpu: bool = False
+    # TF32 matmuls on (True) or off (False) on a GPU that has them; a no-op on a CPU
+    tf32: bool | None = None
+    # empty the accelerator's memory cache every N optimizer steps (a no-op on a CPU)
+    torch_empty_cache_steps: int | None = None
     # transformers' (its models' activation_checkpointing_enable)
     activation_checkpointing: bool | None = False  # None (transformers 5's default): False
     activation_checkpointing_kwargs: dict | None = None
@@ -410,6 +414,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             "adam_epsilon",
         ):
             _positive(name, getattr(self, name))
+        if self.torch_empty_cache_steps is not None:
+            _positive("torch_empty_cache_steps", self.torch_empty_cache_steps)
         for name in (
             "weight_decay",
             "max_grad_norm",

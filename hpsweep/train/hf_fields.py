@@ -109,11 +109,17 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "past_index": (REFUSED, -1, "models' past states are not fed back; leave it -1"),
     "use_legacy_prediction_loop": (ACCEPTED, False, "hpsweep has one prediction loop"),
     # hardware and memory
-    "tf32": (ACCEPTED, None, "torch's TF32 setting is left as it is; on a CPU it has no effect"),
-    "torch_empty_cache_steps": (
-        ACCEPTED,
+    "tf32": (
+        HONOURED,
         None,
-        "hpsweep does not empty the accelerator's cache during training",
+        "TF32 matmuls and convolutions on or off on a GPU that has them (compute capability 8+); "
+        "on a CPU or an older GPU it is accepted and changes nothing",
+    ),
+    "torch_empty_cache_steps": (
+        HONOURED,
+        None,
+        "the accelerator's memory cache is emptied every N optimizer steps; on a CPU it changes "
+        "nothing",
     ),
     "use_cache": (ACCEPTED, False, "the model's config is left as the model sets it"),
     # checkpoints and resuming

@@ -261,6 +261,11 @@ class TrainingLoop:
         ``on_step_end`` decide what follows it, and do it; returns whether the epoch stops here."""
         args, state, control = self.args, self.state, self.control
         state.global_step += 1
+        if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0:
+            # the allocator's cached blocks back to the device (no-op on a CPU), as transformers
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
         state.epoch = epoch + batches_done / self.batches_per_epoch
         flow_on_step(args, state, control)
         self.handler.fire("on_step_end", args, state, control)

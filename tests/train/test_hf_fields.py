@@ -346,3 +346,21 @@ def test_skip_memory_metrics_false_reports_a_runs_and_an_evaluations_memory(tmp_
         if not skip:
             assert all(isinstance(out.metrics[f"train_{n}"], int) for n in names)
             assert out.metrics["train_mem_cpu_peaked_delta"] >= 0
+
+
+def test_tf32_and_torch_empty_cache_steps_train_on_a_cpu_changing_nothing(tmp_path: Path) -> None:
+    """On a GPU they switch TF32 and empty the cache (not testable here); on a CPU they are taken
+    and the run trains what it trains without them."""
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    precision = torch.backends.cuda.matmul.fp32_precision
+    weights = []
+    for fields in ({}, {"tf32": True, "torch_empty_cache_steps": 1}):
+        trainer = hpsweep.Trainer(
+            model_init=Net, args=run_args(tmp_path / str(len(fields)), **fields), train_dataset=data
+        )
+        trainer.train()
+        weights.append(trainer.model.linear.weight.detach().clone())
+    assert torch.equal(*weights) and torch.backends.cuda.matmul.fp32_precision == precision
+    with pytest.raises(UserError, match="^torch_empty_cache_steps=0 must be > 0$"):
+        TrainingArguments(torch_empty_cache_steps=0)
