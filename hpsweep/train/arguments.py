@@ -139,10 +139,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
     # with dataloader_num_workers > 0: workers kept between epochs, batches loaded ahead by each,
-    # and how they start ("spawn", "fork", "forkserver")
+    # how they start ("spawn", "fork", "forkserver"), and whether batches keep their order
     dataloader_persistent_workers: bool = False
     dataloader_prefetch_factor: int | None = None
     dataloader_multiprocessing_context: str | None = None
+    dataloader_in_order: bool = True  # False: batches as workers finish them
     remove_unused_columns: bool = True
     label_names: list | None = None
     # optimizer

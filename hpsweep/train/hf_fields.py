@@ -53,7 +53,11 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         None,
         f"how workers start ('spawn', 'fork', 'forkserver'); {_DATALOADER}",
     ),
-    "dataloader_in_order": (ACCEPTED, True, "batches always come in the sampler's order"),
+    "dataloader_in_order": (
+        HONOURED,
+        True,
+        f"False: batches as soon as a worker has one, not in dispatch order; {_DATALOADER}",
+    ),
     # logging and metrics
     "log_level": (HONOURED, "passive", _LOGS),
     "log_level_replica": (HONOURED, "warning", _LOGS),
@@ -104,7 +108,7 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "average_tokens_across_devices": (
         ACCEPTED,
         True,
-        "the loss is averaged as accelerate's data parallel averages it",
+        "hpsweep passes no num_items_in_batch: each batch's loss is its own mean",
     ),
     "past_index": (REFUSED, -1, "models' past states are not fed back; leave it -1"),
     "use_legacy_prediction_loop": (ACCEPTED, False, "hpsweep has one prediction loop"),

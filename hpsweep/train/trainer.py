@@ -435,4 +435,6 @@ def _worker_options(args: TrainingArguments) -> dict[str, Any]:
         "persistent_workers": args.dataloader_persistent_workers,
         "prefetch_factor": args.dataloader_prefetch_factor,
         "multiprocessing_context": args.dataloader_multiprocessing_context,
+        # torch 2.6's option, passed only when asked for, so that older torch builds still load
+        **({} if args.dataloader_in_order else {"in_order": False}),
     }

@@ -197,10 +197,12 @@ def worker_pids(tmp_path: Path, persistent: bool) -> set[str]:
         dataloader_persistent_workers=persistent,
         dataloader_prefetch_factor=3,
         dataloader_multiprocessing_context="fork",
+        dataloader_in_order=persistent,
     )
     trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=PidRecording(log))
     loader = trainer.get_train_dataloader()
     assert (loader.persistent_workers, loader.prefetch_factor) == (persistent, 3)
+    assert loader.in_order is persistent
     assert loader.multiprocessing_context is multiprocessing.get_context("fork")
     log.unlink(missing_ok=True)
     assert trainer.train().global_step == 8
