@@ -471,7 +471,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     def replace(self, _source: str = "arguments", **changes: Any) -> TrainingArguments:
         """A copy with ``changes`` applied, each cast to its field's type and validated."""
         names = field_types(type(self))
-        unknown = [name for name in changes if name not in names]
+        # transformers' other fields are taken or refused as hf_fields says, on construction
+        unknown = [name for name in changes if name not in names and name not in hf_fields.FIELDS]
         if unknown:
             name = unknown[0]
             raise UserError(

@@ -366,3 +366,12 @@ def test_tf32_and_torch_empty_cache_steps_train_on_a_cpu_changing_nothing(tmp_pa
     assert torch.equal(*weights) and torch.backends.cuda.matmul.fp32_precision == precision
     with pytest.raises(UserError, match="^torch_empty_cache_steps=0 must be > 0$"):
         TrainingArguments(torch_empty_cache_steps=0)
+
+
+def test_set_and_config_files_take_transformers_fields_as_keywords_do(tmp_path: Path) -> None:
+    args = TrainingArguments().with_overrides(["hub_model_id=me/model", "log_level=info"])
+    assert args.log_level == "info" and not hasattr(args, "hub_model_id")
+    config = tmp_path / "args.yaml"
+    config.write_text("fsdp: full_shard\n")
+    with pytest.raises(UserError, match=r"fsdp='full_shard' is not supported: .*--processes-per"):
+        TrainingArguments.from_file(config)
