@@ -9,8 +9,8 @@ Each field is one of:
 - ``refused``: its default is taken; another value needs an engine or a feature hpsweep does not
   have, and is one line saying why and what to use.
 
-    >>> FIELDS["deepspeed"][0], FIELDS["skip_memory_metrics"][0]
-    ('refused', 'accepted')
+    >>> FIELDS["deepspeed"][0], FIELDS["hub_token"][0], FIELDS["tf32"][0]
+    ('refused', 'accepted', 'honoured')
 """
 
 from __future__ import annotations

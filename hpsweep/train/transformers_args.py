@@ -57,8 +57,11 @@ def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArgumen
         elif name in hf_fields.FIELDS:
             hf_fields.check(name, value, default, f"{where} (a transformers.TrainingArguments)")
         elif not hf_fields.same(value, default):
+            shown = (
+                "a token" if "token" in name else repr(value)
+            )  # transformers 4's push_to_hub_token
             raise UserError(
-                f"{where}: transformers.TrainingArguments sets {name}={value!r}, which hpsweep "
+                f"{where}: transformers.TrainingArguments sets {name}={shown}, which hpsweep "
                 f"does not support; leave it at its default ({default!r}) or set the fields of "
                 "hpsweep.TrainingArguments instead"
             )

@@ -375,3 +375,18 @@ def test_set_and_config_files_take_transformers_fields_as_keywords_do(tmp_path: 
     config.write_text("fsdp: full_shard\n")
     with pytest.raises(UserError, match=r"fsdp='full_shard' is not supported: .*--processes-per"):
         TrainingArguments.from_file(config)
+
+
+@dataclasses.dataclass
+class Transformers4Arguments(transformers.TrainingArguments):
+    """transformers 4's token field, which transformers 5 dropped."""
+
+    push_to_hub_token: str | None = None
+
+
+def test_a_field_hpsweep_does_not_know_is_one_line_that_never_shows_a_token(tmp_path: Path) -> None:
+    token = "hf_" + "s3cret" * 6
+    hf_args = Transformers4Arguments(str(tmp_path), push_to_hub_token=token, report_to="none")
+    with pytest.raises(UserError) as info:
+        hpsweep.Trainer(model_init=Net, args=hf_args)
+    assert "push_to_hub_token=a token" in str(info.value) and token not in str(info.value)
