@@ -50,7 +50,24 @@ def make_accelerator(args: Any) -> Any:
             "mixed_precision='fp16' (fp16=True) needs a CUDA GPU and this run is on the CPU; "
             "use bf16=True or no mixed precision on CPU"
         )
+    apply_tf32(args.tf32, acc.device)
     return acc
+
+
+def apply_tf32(tf32: bool | None, device: Any) -> None:
+    """transformers' ``tf32``: TF32 matmuls and convolutions on (True) or off (False) for the
+    process, where the run's device has them (a CUDA GPU of compute capability 8 or more). On a
+    CPU, or an older GPU, it changes nothing (transformers refuses it there; hpsweep runs the same
+    arguments on every device). None leaves torch's setting."""
+    import torch
+
+    if tf32 is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch 2.9's switch
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if tf32 else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
 def bare_model(model: Any) -> Any:

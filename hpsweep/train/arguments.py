@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep.errors import UserError, did_you_mean
+from hpsweep.train import hf_fields
+from hpsweep.train.log_levels import LOG_LEVELS
 from hpsweep.train.transformers_view import TransformersView
 
+DEFAULT_OUTPUT_DIR = "hpsweep-output"
 STRATEGIES = ("no", "steps", "epoch")
 SAMPLING = (
     "random",
@@ -68,29 +71,22 @@ OPTIMIZERS = (
     "asgd",
 )
 PRECISIONS = ("no", "fp16", "bf16")
+WORKER_STARTS = ("spawn", "fork", "forkserver")  # dataloader_multiprocessing_context
+TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 METRIC_INCLUDES = ("inputs", "loss")
 
-#: Names a user of transformers may pass that we refuse, with the fix (the rest get a generic one).
+#: What pushing means in hpsweep, for push_to_hub=True and transformers 4's push_to_hub_* names.
+PUSH_FIX = (
+    "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
+    "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"
+)
+#: Names of transformers 4 a user may pass that we refuse, with the fix (the rest get a generic
+#: one). transformers 5's fields are all in `hpsweep.train.hf_fields.FIELDS`.
 HF_REFUSED = {
     **dict.fromkeys(
-        (
-            "hub_model_id",
-            "hub_token",
-            "hub_strategy",
-            "hub_private_repo",
-            "hub_always_push",
-            "hub_revision",
-            "push_to_hub_model_id",
-            "push_to_hub_organization",
-            "push_to_hub_token",
-        ),
-        "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
-        "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)",
+        ("push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"), PUSH_FIX
     ),
     "no_cuda": "use use_cpu=True",
-    **dict.fromkeys(
-        ("deepspeed", "fsdp"), "use --processes-per-trial N (accelerate data parallel)"
-    ),
 }
 
 
@@ -99,6 +95,10 @@ class _ArgumentsMeta(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         names = field_types(cls)
+        for name in [n for n in kwargs if n not in names and n in hf_fields.FIELDS]:
+            # a transformers field hpsweep does not hold: refused unless at transformers' default
+            value = kwargs.pop(name)
+            hf_fields.check(name, value, hf_fields.FIELDS[name][1], "TrainingArguments")
         for name in kwargs:
             if name not in names:
                 fix = HF_REFUSED.get(
@@ -121,7 +121,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     a trial param naming one of them is set like any other field.
     """
 
-    output_dir: str = "hpsweep-output"
+    output_dir: str | None = DEFAULT_OUTPUT_DIR  # None (transformers 5's default): the same
     # length of training
     num_train_epochs: float = 3.0
     max_steps: int = -1
@@ -138,6 +138,12 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     length_column_name: str = "length"
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
+    # with dataloader_num_workers > 0: workers kept between epochs, batches loaded ahead by each,
+    # how they start ("spawn", "fork", "forkserver"), and whether batches keep their order
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    dataloader_multiprocessing_context: str | None = None
+    dataloader_in_order: bool = True  # False: batches as workers finish them
     remove_unused_columns: bool = True
     label_names: list | None = None
     # optimizer
@@ -172,6 +178,18 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     logging_strategy: str = "epoch"
     logging_steps: int = 50
     logging_first_step: bool = False
+    # a NaN or inf step loss is logged as the mean of the interval's other steps, as transformers
+    logging_nan_inf_filter: bool = True
+    # the level of hpsweep's and transformers' logs, set when a Trainer is built: on the main
+    # process (of each machine, under log_on_each_node) and on the others; "passive": unchanged
+    log_level: str = "passive"
+    log_level_replica: str = "warning"
+    log_on_each_node: bool = True
+    # False: a training run's and an evaluation's memory in their metrics (*_mem_cpu_*, *_mem_gpu_*)
+    skip_memory_metrics: bool = True
+    # count the input tokens trained on, logged as num_input_tokens_seen: "all" (or True),
+    # "non_padding" (those the attention_mask keeps), "no"
+    include_num_input_tokens_seen: str | bool = "no"
     eval_delay: float = 0  # no evaluation before this many epochs (or steps, on a steps schedule)
     eval_on_start: bool = False
     metric_for_best_model: str | None = None
@@ -191,8 +209,12 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
     use_cpu: bool = False
+    # TF32 matmuls on (True) or off (False) on a GPU that has them; a no-op on a CPU
+    tf32: bool | None = None
+    # empty the accelerator's memory cache every N optimizer steps (a no-op on a CPU)
+    torch_empty_cache_steps: int | None = None
     # transformers' (its models' activation_checkpointing_enable)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = False  # None (transformers 5's default): False
     activation_checkpointing_kwargs: dict | None = None
     # torch.compile the model, through accelerate (backend inductor unless given)
     torch_compile: bool = False
@@ -216,6 +238,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
 
     def __post_init__(self) -> None:
         types_ = field_types(type(self))
+        if self.output_dir is None:
+            self.output_dir = DEFAULT_OUTPUT_DIR
         for name in ("eval_steps", "save_steps", "logging_steps"):
             value = getattr(self, name)
             if isinstance(value, float) and 0 < value < 1:
@@ -251,10 +275,25 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
                 self.metric_for_best_model = f"eval_{self.metric_for_best_model}"
             if self.greater_is_better is None:
                 self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        self._default_steps()
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers 4's spelling
+            self.include_num_input_tokens_seen = (
+                "all" if self.include_num_input_tokens_seen else "no"
+            )
         self._check()
+
+    def _default_steps(self) -> None:
+        """transformers' rules for a steps schedule without its steps: checkpoints every 500 steps
+        (its save_strategy default is "steps"), evaluations every logging_steps."""
+        if self.save_strategy == "steps" and self.save_steps is None:
+            self.save_steps = 500
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
 
     def _resolve_aliases(self) -> None:
         """Fold Hugging Face's alternative names into ours; the alias then reads the same value."""
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = False
         if self.evaluation_strategy is not None:
             self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
         for alias in ("disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs"):
@@ -295,6 +334,17 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             ("mixed_precision", PRECISIONS),
         ):
             _choice(name, getattr(self, name), allowed)
+        for name in ("log_level", "log_level_replica"):
+            _choice(name, getattr(self, name), tuple(LOG_LEVELS))
+        _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, TOKEN_COUNTS)
+        if self.dataloader_multiprocessing_context is not None:
+            _choice(
+                "dataloader_multiprocessing_context",
+                self.dataloader_multiprocessing_context,
+                WORKER_STARTS,
+            )
+        if self.dataloader_prefetch_factor is not None:
+            _positive("dataloader_prefetch_factor", self.dataloader_prefetch_factor)
         if self.torch_compile:
             from accelerate.utils import DynamoBackend
 
@@ -329,9 +379,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         if self.fp16_full_eval and self.bf16_full_eval:
             raise UserError("fp16_full_eval=True and bf16_full_eval=True: choose one")
         if self.push_to_hub:
-            raise UserError(
-                f"push_to_hub=True: {HF_REFUSED['hub_model_id']}; leave push_to_hub=False"
-            )
+            raise UserError(f"push_to_hub=True: {PUSH_FIX}; leave push_to_hub=False")
         for name in ("label_names", "include_for_metrics"):
             value = getattr(self, name)
             if value is not None and not (
@@ -367,6 +415,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             "adam_epsilon",
         ):
             _positive(name, getattr(self, name))
+        if self.torch_empty_cache_steps is not None:
+            _positive("torch_empty_cache_steps", self.torch_empty_cache_steps)
         for name in (
             "weight_decay",
             "max_grad_norm",
@@ -421,7 +471,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     def replace(self, _source: str = "arguments", **changes: Any) -> TrainingArguments:
         """A copy with ``changes`` applied, each cast to its field's type and validated."""
         names = field_types(type(self))
-        unknown = [name for name in changes if name not in names]
+        # transformers' other fields are taken or refused as hf_fields says, on construction
+        unknown = [name for name in changes if name not in names and name not in hf_fields.FIELDS]
         if unknown:
             name = unknown[0]
             raise UserError(

@@ -98,6 +98,7 @@ class TrainerState:
     is_world_process_zero: bool = True
     is_hyper_param_search: bool = False
     trial_name: str | None = None  # a sweep's run folder
+    num_input_tokens_seen: int = 0  # counted under include_num_input_tokens_seen
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,6 +28,7 @@ from hpsweep.train.data import (
     label_names_for,
     resolve_dataset,
 )
+from hpsweep.train.memory_metrics import MemoryTracker, stop_tracking
 from hpsweep.train.metrics import speed_metrics
 from hpsweep.train.predictions import (
     HFEvalPrediction,
@@ -139,6 +140,19 @@ class Evaluation:
         """One pass over ``dataset`` without gradients: its ``<prefix>_*`` metrics and the gathered
         predictions (None when nobody needs them). The metrics end, as transformers' do, with the
         pass's ``<prefix>_runtime``, ``_samples_per_second`` and ``_steps_per_second``."""
+        # skip_memory_metrics=False, outside a training run (which counts its evaluations itself)
+        training = getattr(self, "_memory_tracker", None) is not None
+        memory = None if training else MemoryTracker.start(self.args, prefix)
+        try:
+            metrics, prediction = self._timed_evaluation(dataset, ignore_keys, prefix, predicting)
+        finally:
+            memory_metrics = stop_tracking(memory)
+        return metrics | memory_metrics, prediction
+
+    def _timed_evaluation(
+        self, dataset: Any, ignore_keys: list[str] | None, prefix: str, predicting: bool
+    ) -> tuple[dict[str, float], Any]:
+        """`_evaluation`'s pass and its speed metrics."""
         started = time.time()
         self._prepare_for_evaluation()
         dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)

@@ -46,6 +46,7 @@ from hpsweep.train.data import (
     train_sampler,
 )
 from hpsweep.train.evaluation import Evaluation
+from hpsweep.train.log_levels import apply_log_level
 from hpsweep.train.model_init import call_model_init, model_init_arity
 from hpsweep.train.predictions import (
     call_model,
@@ -108,6 +109,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             if args is not None
             else TrainingArguments()
         )
+        apply_log_level(self.args)
         self.model = model
         self.model_init = model_init
         self.train_dataset = train_dataset
@@ -205,6 +207,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             drop_last=args.dataloader_drop_last and train,
             pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
             generator=torch.Generator().manual_seed(seed) if shuffled else None,
+            **_worker_options(args),
         )
 
     # --- transformers' override points: what a subclass replaces -------------------------------------
@@ -306,10 +309,12 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Hand ``logs`` with the epoch to the ``on_log`` callbacks and append them, with the step too,
-        to ``state.log_history``, as transformers does. ``start_time`` is transformers' parameter, for
-        the input-token throughput it logs with ``include_num_input_tokens_seen``, which hpsweep does
-        not count."""
+        to ``state.log_history``, as transformers does; with ``include_num_input_tokens_seen``, the
+        input tokens trained on so far too. ``start_time`` is transformers' parameter (its tokens per
+        second), accepted and unused."""
         logs = {**logs, "epoch": self.state.epoch}
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 
@@ -419,3 +424,17 @@ def _context_of(trainer: weakref.ref) -> Callable[[], dict[str, Any]]:
         return owner._callback_context() if owner is not None else {}
 
     return context
+
+
+def _worker_options(args: TrainingArguments) -> dict[str, Any]:
+    """The ``DataLoader`` options that only worker processes take, as transformers passes them:
+    with ``dataloader_num_workers > 0`` only (torch refuses them otherwise)."""
+    if args.dataloader_num_workers == 0:
+        return {}
+    return {
+        "persistent_workers": args.dataloader_persistent_workers,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        # torch 2.6's option, passed only when asked for, so that older torch builds still load
+        **({} if args.dataloader_in_order else {"in_order": False}),
+    }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -28,6 +29,7 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
 from hpsweep.train.callbacks import TrainerControl, TrainerState, flow_on_epoch, flow_on_step
+from hpsweep.train.memory_metrics import MemoryTracker, stop_tracking
 from hpsweep.train.metrics import speed_metrics
 from hpsweep.train.model_init import enable_activation_checkpointing
 from hpsweep.train.model_init import set_seed as _set_seed
@@ -64,18 +66,24 @@ class TrainingLoop:
         """Train (``resume_from_checkpoint``: a checkpoint folder, or ``True`` for the run's latest
         one); every checkpoint is on disk when this returns, or raises."""
         self.args, self.started = self.trainer.args, time.time()
-        checkpoint = self.set_up(resume_from_checkpoint)
-        self.on_run_start(checkpoint)
+        # skip_memory_metrics=False: the run's memory, evaluations during it included
+        self.memory = self.trainer._memory_tracker = MemoryTracker.start(self.args, "train")
         try:
-            for epoch in range(self.epochs_done, self.state.num_train_epochs):
-                self.run_epoch(epoch)
-                if self.control.should_training_stop:
-                    break
-            self.trainer._checkpoint_writer.wait()
-        except BaseException as exc:
-            self.on_exception(exc)
-            raise
-        return self.on_run_end()
+            checkpoint = self.set_up(resume_from_checkpoint)
+            self.on_run_start(checkpoint)
+            try:
+                for epoch in range(self.epochs_done, self.state.num_train_epochs):
+                    self.run_epoch(epoch)
+                    if self.control.should_training_stop:
+                        break
+                self.trainer._checkpoint_writer.wait()
+            except BaseException as exc:
+                self.on_exception(exc)
+                raise
+            return self.on_run_end()
+        finally:
+            stop_tracking(self.memory)
+            self.trainer._memory_tracker = None
 
     # --- before the first step ---------------------------------------------------------------------
 
@@ -217,6 +225,8 @@ class TrainingLoop:
         args, state, control, ops, model = self.args, self.state, self.control, self.ops, self.model
         if micro_step % self.accumulation == 0:
             self.handler.fire("on_step_begin", args, state, control)
+        if args.include_num_input_tokens_seen != "no":
+            state.num_input_tokens_seen += input_tokens(batch, args, bare_model(model), self.acc)
         with ops.accumulate(model):
             loss = self.trainer.training_step(model, batch)
             synced = ops.synced()
@@ -231,18 +241,31 @@ class TrainingLoop:
                 self.handler.fire("on_optimizer_step", args, state, control)
                 # the model's zero_grad: accelerate's optimizer inspects a signature per call
                 model.zero_grad(set_to_none=True)
-        self.running_loss += loss.detach()
+        self.running_loss += self._loggable(loss.detach())
         self.logged_steps += 1
         if not synced:
             self.handler.fire("on_substep_end", args, state, control)
             return False
         return self.on_step_end(epoch, skipped + micro_step + 1)
 
+    def _loggable(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as the logs count it: under ``logging_nan_inf_filter``, a NaN or inf one
+        is the mean of the interval's steps so far (transformers' rule), chosen on the device, so
+        that no step waits to read its loss."""
+        if not self.args.logging_nan_inf_filter:
+            return loss
+        return torch.where(loss.isfinite(), loss, self.running_loss / max(self.logged_steps, 1))
+
     def on_step_end(self, epoch: int, batches_done: int) -> bool:
         """Count the optimizer step (``batches_done`` batches into ``epoch``), let the flow and
         ``on_step_end`` decide what follows it, and do it; returns whether the epoch stops here."""
         args, state, control = self.args, self.state, self.control
         state.global_step += 1
+        if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0:
+            # the allocator's cached blocks back to the device (no-op on a CPU), as transformers
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
         state.epoch = epoch + batches_done / self.batches_per_epoch
         flow_on_step(args, state, control)
         self.handler.fire("on_step_end", args, state, control)
@@ -290,6 +313,7 @@ class TrainingLoop:
                 samples=samples * self.acc.num_processes,
             ),
             "train_loss": loss,
+            **stop_tracking(self.memory),
         }
         trainer.log(summary)  # as transformers ends: its on_log, then on_train_end
         self.handler.fire("on_train_end", args, state, self.control)
@@ -298,3 +322,24 @@ class TrainingLoop:
             loss,
             {**summary, "epoch": state.epoch, **trainer.last_eval_metrics()},
         )
+
+
+def input_tokens(batch: Any, args: Any, model: Any, acc: Any) -> int:
+    """The tokens of ``batch``'s main input (the model's ``main_input_name``, else input_ids) on
+    every process, as transformers counts them for ``include_num_input_tokens_seen``: all of
+    them, or under "non_padding" those the batch's attention_mask keeps."""
+    mode, name = args.include_num_input_tokens_seen, getattr(model, "main_input_name", "input_ids")
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(name), torch.Tensor):
+        raise UserError(
+            f"include_num_input_tokens_seen={mode!r} counts the tokens of the batches' {name!r}, "
+            f"which these batches lack; give batches with {name!r} or leave it 'no'"
+        )
+    mask = batch.get("attention_mask") if mode == "non_padding" else None
+    count = (
+        mask.sum()
+        if isinstance(mask, torch.Tensor)
+        else batch[name].new_tensor(batch[name].numel())
+    )
+    if acc.num_processes > 1:
+        count = acc.reduce(count.to(acc.device), "sum")
+    return int(count)

@@ -1,5 +1,5 @@
 """A ``transformers.TrainingArguments`` as ours: each field we share is copied by name, a field we
-lack is refused unless it is at transformers' default (or changes nothing hpsweep computes).
+lack is taken or refused as `hpsweep.train.hf_fields.FIELDS` says.
 Nothing here imports transformers; its instances are recognised by their class's module.
 
     >>> args = as_training_arguments(transformers.TrainingArguments("out", learning_rate=1e-3))
@@ -14,47 +14,8 @@ import functools
 from typing import Any
 
 from hpsweep.errors import UserError
-from hpsweep.train.arguments import HF_REFUSED, TrainingArguments, field_types
-
-#: transformers fields that change nothing hpsweep computes (logging, infrastructure, knobs its
-#: Trainer ignores too); any value is accepted and dropped. Other fields of theirs we lack are
-#: refused when set to a value other than transformers' default.
-IGNORED_FIELDS = frozenset(
-    {
-        "log_level",
-        "log_level_replica",
-        "log_on_each_node",
-        "logging_nan_inf_filter",
-        "project",
-        "trackio_space_id",
-        "trackio_bucket_id",
-        "trackio_static_space_id",
-        "skip_memory_metrics",
-        "save_on_each_node",
-        "save_safetensors",
-        "dataloader_persistent_workers",
-        "dataloader_prefetch_factor",
-        "dataloader_in_order",
-        "ddp_timeout",
-        "ddp_find_unused_parameters",
-        "ddp_bucket_cap_mb",
-        "ddp_broadcast_buffers",
-        "ddp_backend",
-        "local_rank",
-        "resume_from_checkpoint",
-        "hub_token",
-        "eval_accumulation_steps",
-        "tf32",
-        "torch_empty_cache_steps",
-        "include_num_input_tokens_seen",
-        "restore_callback_states_from_checkpoint",
-        "use_cache",
-        "accelerator_config",
-        "debug",
-        "past_index",
-        "use_legacy_prediction_loop",
-    }
-)
+from hpsweep.train import hf_fields
+from hpsweep.train.arguments import TrainingArguments, field_types
 
 
 def is_transformers_args(obj: Any) -> bool:
@@ -80,8 +41,8 @@ def as_training_arguments(obj: Any, where: str = "args") -> TrainingArguments:
 def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArguments:
     """Our `TrainingArguments` with every field of ``hf_args`` that we share.
 
-    A field of theirs that we lack is refused in one line when it differs from transformers'
-    default (their Trainer would act on it, ours cannot), unless it is in `IGNORED_FIELDS`.
+    A field of theirs that we lack is dropped when `hf_fields.FIELDS` accepts it, and refused in
+    one line when it is refused there (or unknown) and differs from transformers' default.
     """
     ours = field_types(TrainingArguments)
     reference = _reference_args(type(hf_args).__mro__, str(hf_args.output_dir))
@@ -90,18 +51,19 @@ def from_transformers_args(hf_args: Any, where: str = "args") -> TrainingArgumen
         name, value = f.name, getattr(hf_args, f.name)
         default = getattr(reference, name, _field_default(f))
         if name in ours:
-            if name == "report_to" and _same(value, default):
+            if name == "report_to" and hf_fields.same(value, default):
                 continue  # transformers 4 expands its default "all" to whatever is installed
             values[name] = value
-        elif name not in IGNORED_FIELDS and not _same(value, default):
-            fix = HF_REFUSED.get(
-                name,
-                f"leave it at its default ({default!r}) or set the fields of "
-                "hpsweep.TrainingArguments instead",
-            )
+        elif name in hf_fields.FIELDS:
+            hf_fields.check(name, value, default, f"{where} (a transformers.TrainingArguments)")
+        elif not hf_fields.same(value, default):
+            shown = (
+                "a token" if "token" in name else repr(value)
+            )  # transformers 4's push_to_hub_token
             raise UserError(
-                f"{where}: transformers.TrainingArguments sets {name}={value!r}, which hpsweep "
-                f"does not support; {fix}"
+                f"{where}: transformers.TrainingArguments sets {name}={shown}, which hpsweep "
+                f"does not support; leave it at its default ({default!r}) or set the fields of "
+                "hpsweep.TrainingArguments instead"
             )
     try:
         return TrainingArguments(**values)
@@ -126,10 +88,3 @@ def _field_default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         return f.default_factory()  # type: ignore[misc]
     return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:
-        return a is b

@@ -392,7 +392,7 @@ def test_eval_delay_skips_the_early_evaluations_and_the_trial_keeps_its_objectiv
     [
         (dict(per_device_train_batch_size=0), "must be > 0"),
         (dict(eval_strategy="sometimes"), "not one of no, steps, epoch"),
-        (dict(save_strategy="steps"), "save_steps"),
+        (dict(save_strategy="steps", save_steps=0), "save_steps"),
         (dict(warmup_ratio=1.5), "[0, 1)"),
         (dict(eval_delay=-1), "eval_delay=-1.0 is negative; give a value >= 0"),
         (dict(fp16=True, bf16=True), "choose one"),
