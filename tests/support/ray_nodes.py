@@ -105,6 +105,11 @@ def ray_nodes(
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     if token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    else:
+        # said outright: a ray.init() earlier in this test process sets RAY_AUTH_MODE=token in
+        # os.environ, which every later node would inherit
+        env["RAY_AUTH_MODE"] = "disabled"
+        env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
     home = Path(temp) / "home"
     home.mkdir()
