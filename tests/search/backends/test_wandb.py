@@ -199,15 +199,11 @@ def test_what_wandb_cannot_do_is_one_line_and_exit_2(
 
 BLOCK = """
 import sys
-from importlib.abc import MetaPathFinder
 
-class Absent(MetaPathFinder):  # as if pip had never installed these packages
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-sys.meta_path.insert(0, Absent())
+# As if pip had never installed these packages: an import fails with ModuleNotFoundError, and a
+# probe (importlib.util.find_spec, as accelerate's is_wandb_available) finds nothing.
+for name in {blocked!r}:
+    sys.modules[name] = None
 from hpsweep.cli import main
 sys.exit(main(sys.argv[1:]))
 """
