@@ -375,6 +375,10 @@ class Ledger:
             claim.lease.bind(trial.id, trial.ref, number=trial.number)
             return claim, trial
 
+    def stopped(self, backend: Any, trial: Any) -> None:
+        """A trial stopped by a signal: nothing to do here, its record says ``stopped`` and the
+        next claim runs it again (the study's ledger must enqueue it; see `next_trial`)."""
+
     # --- after trials run elsewhere -----------------------------------------------------------------
 
     def wait_for_endings(self, trial_ids: Collection[str], timeout: float) -> None:

@@ -269,11 +269,12 @@ def _worker_main(
 
 
 def _tell_quietly(backend: Backend, trial: Trial, state: str, ledger: Any = None) -> None:
-    """Tell the backend while the sweep is stopping anyway; if it cannot hear it (a full disk
-    under its storage), the ledger's reap closes the trial on the next run (`Backend.abandon`)."""
+    """Tell the backend while the sweep is stopping anyway (a stopped trial: the ledger first,
+    which keeps it to run again); if it cannot hear it (a full disk under its storage), the
+    ledger's reap closes the trial on the next run (`Backend.abandon`)."""
     try:
-        if hasattr(ledger, "ended"):
-            ledger.ended(backend.study, trial, state)
+        if state == "stopped" and ledger is not None:
+            ledger.stopped(backend, trial)
         backend.tell(trial, state)
     except Exception:  # noqa: BLE001 - the exception being raised already says why we stop
         pass

@@ -189,7 +189,7 @@ class Backend:
     def ledger(self) -> Any:
         """The sweep's ledger: by default files under the output folder (one machine, or a folder
         machines share); a backend whose study lives in a database machines share returns the
-        study's own (`hpsweep.search.study_ledger.StudyLedger`)."""
+        study's own (`hpsweep.search.backends._study_ledger.StudyLedger`)."""
         from hpsweep.search.ledger import Ledger
 
         return Ledger(self.settings.output_dir, self.settings.n_trials)

@@ -32,6 +32,16 @@ from hpsweep.search.backends._storages import (
     retryable,
     storage_error,
 )
+from hpsweep.search.backends._study_ledger import (
+    AGAIN_ID,
+    AGAIN_NUMBER,
+    GRACE_S,
+    HEARTBEAT_S,
+    HOME,
+    StudyLedger,
+    check_home,
+    run_again_callback,
+)
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.trial import Trial
 
@@ -179,16 +189,18 @@ class OptunaBackend(Backend):
     def ledger(self) -> Any:
         if not self.shared:
             return super().ledger()
-        from hpsweep.search.study_ledger import StudyLedger
-
         return StudyLedger(self.settings.output_dir, self.settings.n_trials, self.settings.home)
 
     def load_study(self, stream: int = 0) -> optuna.Study:
-        """The study, created if missing. A storage that cannot be opened is one line at once;
-        only a race between processes creating the tables together is tried again."""
+        """The study, created if missing (see `_opened`)."""
+        return self._opened(lambda: self._load_study(stream))
+
+    def _opened(self, open_it: Callable[[], Any]) -> Any:
+        """``open_it()`` on the storage. One that cannot be opened is one line at once; only a
+        race between processes creating the tables or the study together is tried again."""
         for attempt in range(OPEN_TRIES):
             try:
-                return self._load_study(stream)
+                return open_it()
             except UserError:
                 raise
             except Exception as exc:
@@ -233,8 +245,6 @@ class OptunaBackend(Backend):
             _close(storage)
 
     def _check_stored(self, storage: optuna.storages.BaseStorage) -> None:
-        from hpsweep.search.study_ledger import check_home
-
         s = self.settings
         try:
             study_id = storage.get_study_id_from_name(s.study_name)
@@ -263,8 +273,6 @@ class OptunaBackend(Backend):
         return self.settings.home_url
 
     def _keep_home(self, study: optuna.Study) -> None:
-        from hpsweep.search.study_ledger import HOME, check_home
-
         attrs = study.user_attrs
         check_home(attrs, self.home, study.study_name, self.storage.label)
         if HOME not in attrs:
@@ -272,14 +280,7 @@ class OptunaBackend(Backend):
 
     def _storage_or_error(self) -> optuna.storages.BaseStorage:
         """The storage, or one line saying why it cannot be opened (`._storages`)."""
-        try:
-            return _retry_race(lambda: open_storage(self.storage))
-        except UserError:
-            raise
-        except Exception as exc:
-            if cause(exc) is None:
-                raise
-            raise storage_error(self.storage, exc) from None
+        return self._opened(lambda: open_storage(self.storage))
 
     # --- asking and telling ------------------------------------------------------------------------------
 
@@ -383,21 +384,6 @@ def _close(storage: optuna.storages.BaseStorage) -> None:
         storage.close()
 
 
-def _retry_race(open_it: Callable[[], Any]) -> Any:
-    """``open_it()``, again after a moment when it lost a race with another process creating the
-    same tables or study (machines started together)."""
-    import sqlalchemy.exc
-
-    for attempt in range(5):
-        try:
-            return open_it()
-        except sqlalchemy.exc.IntegrityError:
-            if attempt == 4:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
 def _optuna_distribution(dist: Distribution) -> optuna.distributions.BaseDistribution:
     """The Optuna distribution a space entry is sampled from (`suggest`)."""
     if isinstance(dist, Float):
@@ -413,11 +399,9 @@ def _optuna_distribution(dist: Distribution) -> optuna.distributions.BaseDistrib
 
 def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | None]:
     """The number and id a trial that runs another again takes: from that trial's record, or
-    from what its enqueued copy carries in the study (`hpsweep.search.study_ledger`)."""
+    from what its enqueued copy carries in the study (`._study_ledger`)."""
     if again is not None:
         return again.number, again.id
-    from hpsweep.search.study_ledger import AGAIN_ID, AGAIN_NUMBER
-
     attrs = asked.user_attrs
     if AGAIN_ID in attrs:
         return int(attrs[AGAIN_NUMBER]), str(attrs[AGAIN_ID])
@@ -428,7 +412,6 @@ def shared_database(parsed: StorageSpec) -> optuna.storages.BaseStorage:
     """The storage of a study in a database that machines share (`._storages`), with Optuna's
     heartbeat on where the storage has one, and calls that wait out the database's absences."""
     from hpsweep.search.backends._patient import PatientStorage
-    from hpsweep.search.study_ledger import GRACE_S, HEARTBEAT_S, run_again_callback
 
     storage = open_storage(
         parsed,

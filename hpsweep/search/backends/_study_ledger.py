@@ -184,10 +184,9 @@ class StudyLedger:
             records = self.index.records()
         return next((r for r in records if r.id == wanted), None)
 
-    def ended(self, study: optuna.Study, trial: Any, state: str) -> None:
+    def stopped(self, backend: Any, trial: Any) -> None:
         """A trial stopped by a signal runs again: enqueue it before its Optuna trial is told."""
-        if state == "stopped":
-            enqueue_again(study, trial.id, trial.number, trial.params)
+        enqueue_again(backend.study, trial.id, trial.number, trial.params)
 
     # --- dead machines --------------------------------------------------------------------------------
 
