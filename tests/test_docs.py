@@ -43,15 +43,15 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
 
 def test_every_public_name_has_a_reference_entry() -> None:
     """A name added to hpsweep.__all__ gets its `::: ...` entry in docs/api.md."""
-    entries = set(re.findall(r"^::: hpsweep\.[\w.]*?\.?(\w+)$", (DOCS / "api.md").read_text(), re.M))
+    entries = set(
+        re.findall(r"^::: hpsweep\.[\w.]*?\.?(\w+)$", (DOCS / "api.md").read_text(), re.M)
+    )
     missing = set(hpsweep.__all__) - entries
     assert not missing, f"docs/api.md has no `::: ...` entry for {sorted(missing)}"
 
 
 def _anchor(name: str) -> str:
     """The id mkdocstrings gives an object's heading: its full dotted path."""
-    entry = re.search(
-        rf"^::: (hpsweep\.[\w.]*\b{name})$", (DOCS / "api.md").read_text(), re.M
-    )
+    entry = re.search(rf"^::: (hpsweep\.[\w.]*\b{name})$", (DOCS / "api.md").read_text(), re.M)
     assert entry, f"docs/api.md has no entry for {name}"
     return entry.group(1)
