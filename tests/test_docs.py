@@ -55,3 +55,31 @@ def _anchor(name: str) -> str:
     entry = re.search(rf"^::: (hpsweep\.[\w.]*\b{name})$", (DOCS / "api.md").read_text(), re.M)
     assert entry, f"docs/api.md has no entry for {name}"
     return entry.group(1)
+
+
+def test_the_readme_and_bench_links_lead_somewhere() -> None:
+    """The README and bench/README.md are read on the repository's host, outside the site: their
+    relative links (into docs/, to files) must name files that exist, and their anchors headings
+    that exist on the docs page they point at."""
+    for page in (ROOT / "README.md", ROOT / "bench" / "README.md"):
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve()
+            assert file.exists(), f"{page.relative_to(ROOT)} links to {target}, which is missing"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", _with_snippets(file.read_text()), re.M)
+                assert anchor in {_slug(h) for h in headings}, f"{target}: no such heading"
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (and the repository's host) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.lower().replace("`", ""))
+    return re.sub(r"\s+", "-", text.strip())
+
+
+def _with_snippets(text: str) -> str:
+    """A page with the files it includes (`--8<-- "path:section"`) appended, as the site shows it."""
+    included = re.findall(r'^--8<-- "([^":]+)(?::[\w-]+)?"$', text, re.M)
+    return "\n".join([text, *((ROOT / path).read_text() for path in included)])
