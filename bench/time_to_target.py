@@ -301,7 +301,7 @@ def _firsts(results: dict[str, list[dict]], target: float) -> list[str]:
 def warm_up(contenders: list[str], tasks: list[str], work: Path) -> None:
     """One untimed two-trial run of each contender on each task before any timed one: the first
     process after a quiet spell reads torch's libraries from disk, not from the page cache, and
-    the contender that runs first (hpsweep, seed 0) was 0.7-1.3 s slower for it in sessions 16 and 18."""
+    the contender that runs first (hpsweep, seed 0) measured 0.7-1.3 s slower for it without this."""
     for task in tasks:
         for c in contenders:
             run(c, task, 0, 2, work)

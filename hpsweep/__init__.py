@@ -1,6 +1,6 @@
 """hpsweep: hyperparameter search over PyTorch training, on Optuna, Ray Tune or W&B Sweeps.
 
-The package has one folder per side (see the README's layout): `hpsweep.train` (one training
+The package has one folder per side (docs/architecture.md): `hpsweep.train` (one training
 run), `hpsweep.search` (the sweep and its backends), `hpsweep.devices`, `hpsweep.runs` (what a
 sweep writes) and `hpsweep.integrations` (MLflow, the report, the Hub). This module is the face:
 what a space file and a user's script import.

@@ -2,7 +2,7 @@
 
 Every side uses it (the search layer labels ``--storage`` URLs with it, integrations scrub MLflow
 params and model cards), so it sits at the bottom of the layering with `hpsweep.errors`. A
-password prints as ``***``; an entry that holds a secret is left out (README, "Security").
+password prints as ``***``; an entry that holds a secret is left out (docs/security.md).
 """
 
 from __future__ import annotations

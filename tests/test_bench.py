@@ -1,9 +1,9 @@
 """Every benchmark under bench/ runs to the end of a tiny run and prints its table.
 
-The figures in bench/README.md come from these scripts. One that stops working is found here,
-not in the next measuring session. (`n_jobs.py` failed every trial with a NameError for several
-sessions after `core_overhead.py`, whose task it borrows, gained a parameter.) No figure is
-checked: speed is measured by running the scripts, never asserted in tests.
+The figures in bench/README.md (and docs/performance.md) come from these scripts. One that stops
+working is found here, not when someone next measures: a script that borrows another's task
+breaks silently when that task gains a parameter. No figure is checked: speed is measured by
+running the scripts, never asserted in tests.
 """
 
 from __future__ import annotations

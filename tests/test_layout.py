@@ -1,4 +1,4 @@
-"""The package's layout, as the README's "Layout" tells it: each side imports only the sides below
+"""The package's layout, as docs/architecture.md tells it: each side imports only the sides below
 it, so a training run never depends on the search that runs it."""
 
 from __future__ import annotations
@@ -66,5 +66,5 @@ def test_every_module_belongs_to_a_side() -> None:
     top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
     top -= {"__init__", "__pycache__"}
     assert top <= set(LAYERS), (
-        f"{sorted(top - set(LAYERS))} belong to no side: see the README's Layout"
+        f"{sorted(top - set(LAYERS))} belong to no side: see docs/architecture.md"
     )

@@ -1,6 +1,6 @@
 """The trial ledger: what every backend must do alike, done once, over the run folders on disk.
 
-Guarantees (the README's "When things go wrong"), whatever process or command runs the trials:
+Guarantees (docs/guarantees.md), whatever process or command runs the trials:
 
 - **Counting.** ``--n-trials`` counts the trials recorded ``complete`` or ``pruned``. A trial
   starts only under the ledger lock (``DIR/.ledger.lock``) and only while the finished trials

@@ -39,7 +39,7 @@ OPTIONAL = (
 
 @dataclass
 class SpaceFile:
-    """The names a space file defines (see the README's "A space file")."""
+    """The names a space file defines (docs/space-file.md)."""
 
     path: Path
     module: Any

@@ -102,7 +102,7 @@ class _ArgumentsMeta(type):
         for name in kwargs:
             if name not in names:
                 fix = HF_REFUSED.get(
-                    name, "remove it (README: 'Coming from Hugging Face' lists what is supported)"
+                    name, "remove it (docs/huggingface.md lists what is supported)"
                 )
                 raise UserError(
                     f"TrainingArguments: {name!r} is not a field hpsweep supports"
@@ -222,13 +222,13 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     torch_compile_mode: str | None = None
     disable_progress: bool = False
     run_name: str | None = None
-    # Hugging Face names accepted for compatibility (README: "Coming from Hugging Face")
+    # Hugging Face names accepted for compatibility (docs/huggingface.md)
     disable_tqdm: bool | None = None  # the same as disable_progress
     evaluation_strategy: str | None = None  # transformers 4's name of eval_strategy
     gradient_checkpointing: bool | None = None  # transformers 4's name of activation_checkpointing
     gradient_checkpointing_kwargs: dict | None = None
     include_inputs_for_metrics: bool = False  # transformers 4's include_for_metrics=["inputs"]
-    report_to: str | list | None = "none"  # accepted; tracking is --mlflow, see README
+    report_to: str | list | None = "none"  # accepted; tracking is --mlflow, see docs/tracking.md
     logging_dir: str | None = None  # accepted; hpsweep writes no TensorBoard logs
     push_to_hub: bool = False  # True is refused: the sweep pushes its best run (--push-to-hub)
     do_train: bool = False  # accepted and unused, as by transformers' Trainer

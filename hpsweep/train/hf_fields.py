@@ -1,6 +1,6 @@
 """What hpsweep does with each field of ``transformers.TrainingArguments`` that its own
 `TrainingArguments` does not share by name: the one table (`FIELDS`) that the keyword check, the
-conversion of a transformers instance and the README's field table all read.
+conversion of a transformers instance and the field table of docs/huggingface.md all read.
 
 Each field is one of:
 
@@ -210,7 +210,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def markdown_table() -> str:
-    """The README's table of these fields, one row each, in `FIELDS`' order."""
+    """The table of these fields in docs/huggingface.md, one row each, in `FIELDS`' order."""
     rows = ["| field | what happens | why / what to use |", "| --- | --- | --- |"]
     rows += [f"| `{name}` | {fate} | {why} |" for name, (fate, _, why) in FIELDS.items()]
     return "\n".join(rows)

@@ -49,7 +49,7 @@ def create_optimizer(model: torch.nn.Module, args: TrainingArguments) -> torch.o
 
     Without weight decay (the default) the params are one group: two groups that differ in
     nothing give the same updates bit for bit, and cost a second pass of the optimizer's
-    per-group work each step (~4% of a small model's step here, bench/README.md)."""
+    per-group work each step (~4% of a small model's step here, bench/step_overhead.py)."""
     names = set(decay_parameter_names(model))
     decay, no_decay = [], []
     for name, param in model.named_parameters():

@@ -37,7 +37,7 @@ def step_ops(
     nothing but bookkeeping: its optimizer and scheduler call the wrapped ones, ``backward``
     divides the loss by 1, ``clip_grad_norm_`` is torch's, ``accumulate`` always syncs and the
     prepared loader only looks one batch ahead. That bookkeeping was 13% of the CPU time of a step
-    of a small MLP (bench/README.md), so the plain objects are used directly, with the same
+    of a small MLP (bench/step_overhead.py), so the plain objects are used directly, with the same
     look-ahead, and the weights come out bit-identical (tests/test_perf_equivalence.py).
     Everything else (several processes, fp16/bf16, accumulation, a custom loader) keeps the
     wrappers; so does ``HPSWEEP_ACCELERATE_WRAPPERS=always``, for comparing the two.

@@ -65,16 +65,19 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
     """Train and evaluate a model; search hyperparameters with `hyperparameter_search`.
 
     The parameters are transformers' own, in its order, so a ``transformers.Trainer(...)`` call
-    works with the import changed (README: "Coming from Hugging Face").
+    works with the import changed (docs/huggingface.md).
 
     Args:
-        model / model_init: the model to train, or ``() -> nn.Module`` / ``(trial) -> nn.Module``
-            building a fresh one for every run (with both, ``train`` uses ``model_init``).
+        model: the model to train (with ``model_init`` too, ``train`` uses ``model_init``).
         args: our `TrainingArguments`, or a ``transformers.TrainingArguments`` (converted).
         data_collator: list of samples -> batch; by default ``DataCollatorWithPadding`` when
             ``processing_class`` is a tokenizer, else transformers' ``default_data_collator`` rule.
-        train_dataset / eval_dataset: torch or ``datasets`` Datasets, or 0-argument factories.
-        processing_class (or ``tokenizer``): saved beside the weights in every checkpoint.
+        train_dataset: a torch or ``datasets`` Dataset, or a 0-argument factory returning one.
+        eval_dataset: the same, or a dict of them by name (``eval_<name>_*`` metrics).
+        processing_class: a tokenizer or processor, saved beside the weights in every checkpoint
+            (``tokenizer=`` is the same).
+        model_init: ``() -> nn.Module`` or ``(trial) -> nn.Module``, building a fresh model for
+            every run.
         compute_loss_func: ``(outputs, labels, num_items_in_batch=None) -> loss``.
         compute_metrics: ``EvalPrediction -> dict[str, float]``; keys are prefixed ``eval_``.
         callbacks: extra `TrainerCallback` instances.

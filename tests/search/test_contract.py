@@ -1,4 +1,4 @@
-"""The contract every backend keeps (the README's "When things go wrong"), driven through the command line.
+"""The contract every backend keeps (docs/guarantees.md), driven through the command line.
 
 Each case interrupts a real sweep the way real sweeps are interrupted, runs the same command
 again, and checks every invariant in `sweep_invariants.violations`. A new backend is added to

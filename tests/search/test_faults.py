@@ -1,10 +1,10 @@
 """Fault injection: random ``kill -9`` / SIGINT moments across single and ``--n-jobs 2`` sweeps,
-each followed by the same command, checking every invariant of the README's "When things go wrong".
+each followed by the same command, checking every invariant of docs/guarantees.md.
 
 CI runs a few moments (``HPSWEEP_FAULT_MOMENTS``, default 2: one per mode). The full run prints
-a table and is what bench/README.md reports:
+a table and is what docs/guarantees.md reports:
 
-    HPSWEEP_FAULT_MOMENTS=40 python -m pytest tests/test_faults.py -m faults -s
+    HPSWEEP_FAULT_MOMENTS=40 python -m pytest tests/search/test_faults.py -m faults -s
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""One sweep on many machines, with the study in a real PostgreSQL server (the README's "Many
-machines"). A "machine" is an `hpsweep run` process with its own working folder, HOME and temp
+"""One sweep on many machines, with the study in a real PostgreSQL server (docs/many-machines.md). A "machine" is an `hpsweep run` process with its own working folder, HOME and temp
 dir; the machines share only the database and the sweep's home, as machines with an NFS home do.
 """
 

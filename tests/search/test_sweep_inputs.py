@@ -1,6 +1,6 @@
 """Inputs that used to crash, half-write or mislead a sweep: each is one line and exit 2 with
-nothing written, or does what a user means (the README's "The command line" and
-"When things go wrong")."""
+nothing written, or does what a user means (docs/cli.md and
+docs/guarantees.md)."""
 
 from __future__ import annotations
 

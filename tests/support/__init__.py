@@ -130,7 +130,7 @@ def hpsweep_cli(
 
 
 def load_sweep_study(out: Path, study_name: str = "space") -> optuna.Study:
-    """The sweep's Optuna study, opened with Optuna's own API as the README shows users."""
+    """The sweep's Optuna study, opened with Optuna's own API as docs/backends.md shows users."""
     storage = optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))
     )

@@ -1,4 +1,4 @@
-"""The README's "When things go wrong" as checks on a sweep folder: what must hold after any
+"""docs/guarantees.md as checks on a sweep folder: what must hold after any
 interruption and a rerun.
 
 Shared by the contract test (every backend) and the fault-injection harness.

@@ -88,7 +88,7 @@ def train(trainer_cls: type, out: Path, settings: dict) -> tuple[list[tuple], li
         warnings.simplefilter("ignore")
         trainer.train()
     # What each log entry holds (not its values: the two draw different random numbers); transformers
-    # adds total_flos to its last, which hpsweep does not count (README, "What differs").
+    # adds total_flos to its last, which hpsweep does not count (docs/huggingface.md, "What differs").
     history = [
         (sorted(set(h) - {"total_flos"}), h["step"], h["epoch"]) for h in trainer.state.log_history
     ]

@@ -1,7 +1,7 @@
 """Every field of the installed ``transformers.TrainingArguments``: known to hpsweep, accepted at
 its default (as a keyword and in a converted transformers instance), and at another value honoured,
-accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the README's
-table shows."""
+accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the table in
+docs/huggingface.md shows."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hpsweep import TrainingArguments, UserError
 from hpsweep.train import hf_fields
 from hpsweep.train.hf_fields import ACCEPTED, FIELDS, HONOURED, REFUSED
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+HF_PAGE = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 THEIRS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
 OURS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
@@ -148,9 +148,9 @@ def test_a_refused_field_in_a_transformers_instance_is_one_line(tmp_path: Path, 
     assert "\n" not in str(info.value) and name in str(info.value)
 
 
-def test_the_readme_field_table_is_the_code_table() -> None:
-    assert hf_fields.markdown_table() in README.read_text(), (
-        "README.md's table of transformers fields differs from hpsweep.train.hf_fields.FIELDS; "
+def test_the_docs_field_table_is_the_code_table() -> None:
+    assert hf_fields.markdown_table() in HF_PAGE.read_text(), (
+        "docs/huggingface.md's table of transformers fields differs from hpsweep.train.hf_fields.FIELDS; "
         "paste the output of `python -m hpsweep.train.hf_fields` in its place"
     )
 

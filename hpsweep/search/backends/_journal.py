@@ -3,7 +3,7 @@
 A journal is an append-only log of the study's changes, which every process replays into memory
 (`optuna.storages.JournalStorage`); Optuna recommends it for several processes on one machine.
 Here it opens in milliseconds where an SQLite study took 0.8 s (SQLAlchemy and Alembic set-up),
-and a trial's ask, reports and tell cost a few milliseconds instead of ~45 (bench/README.md).
+and a trial's ask, reports and tell cost a few milliseconds instead of ~45 (docs/backends.md).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class OptunaBackend(Backend):
 
     Options: the two transformers' Optuna users pass on to ``create_study`` / ``optimize``, which
     hpsweep always does: ``load_if_exists`` (the same command continues its study) and
-    ``gc_after_trial`` (each trial's memory is released after it: the README's "Devices")."""
+    ``gc_after_trial`` (each trial's memory is released after it: docs/devices.md)."""
 
     name = "optuna"
     samplers = ("tpe", "random", "cmaes", "gp", "grid", "nsga2")

@@ -1,7 +1,7 @@
 """A study's database that may go away for a while: every call waits for it to come back.
 
 A restart or failover of the database (seconds to a few minutes) must pause a sweep, not end it
-(the README's "Many machines"). `PatientStorage` wraps the Optuna storage a worker uses; a call
+(docs/many-machines.md). `PatientStorage` wraps the Optuna storage a worker uses; a call
 that finds the database unreachable says so once, in one line, and tries again every second until
 it answers or `PATIENCE_S` pass. Everything else is Optuna's: the wrapper adds no caching and
 changes no call.

@@ -1,6 +1,6 @@
 """Where an Optuna study lives: ``--storage`` (``storage=`` in the Python API), parsed and opened.
 
-The kinds (README, "Storages across machines"): a journal file (the default, ``DIR/study.journal``), an
+The kinds (docs/many-machines.md, "Storages"): a journal file (the default, ``DIR/study.journal``), an
 SQLite file (``sqlite:///...``, and where hpsweep 0.1 kept its studies), an SQL database
 (``postgresql://``, ``mysql+pymysql://``), Optuna's storage proxy (``grpc://HOST:PORT``) for
 many workers on one database, or an ``optuna.storages.BaseStorage`` from the Python API.

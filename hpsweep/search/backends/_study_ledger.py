@@ -2,7 +2,7 @@
 
 With ``--storage postgresql://...`` (or ``mysql://``, or Optuna's storage proxy) the machines of a
 sweep share no folder they could lock, and their clocks need not agree. The study itself is then
-the ledger (the README's "Many machines"), with the same guarantees as the files of
+the ledger (docs/many-machines.md), with the same guarantees as the files of
 `hpsweep.search.ledger` on one machine:
 
 - **Counting.** A trial counts once it is COMPLETE or PRUNED in the study. There is no lock

@@ -3,7 +3,7 @@
 Ray decides what to try and where trials run: an executor backend (see `Backend`). The sweep's
 ledger (`hpsweep.search.ledger`) counts, numbers, leases and runs cut-short trials again, through
 the calls the search layer's loop makes, here on the driver between rounds and on the workers
-where trials start (the README's "When things go wrong"):
+where trials start (docs/guarantees.md):
 
 - Tune's search algorithm picks params (``--sampler tpe``: Optuna's TPE through Tune's
   `OptunaSearch`; ``random``), its scheduler (``--scheduler fifo|asha|hyperband|pbt``) stops,
