@@ -166,7 +166,17 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--reuse",
+        choices=("both", "off", "on"),
+        default="both",
+        help="Ray's reuse_actors setting(s) to measure (default: both)",
+    )
+    parser.add_argument(
+        "--no-warm", action="store_true", help="skip the warm-up runs (a smoke test of the script)"
+    )
     ns = parser.parse_args()
+    settings = {"both": (False, True), "off": (False,), "on": (True,)}[ns.reuse]
 
     from hpsweep.search.backends._ray._cluster import QUIET_ENV as _QUIET_ENV
     from hpsweep.search.backends._ray._cluster import WORKER_ENV
@@ -188,10 +198,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpbench") as tmp:
         folder = Path(tmp)
         # Warm every path once (imports into the OS page cache, Ray's worker pool), so no side pays first use.
-        bare(trivial_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
-        bare(torch_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
-        ours(2, ns.concurrency, folder / "warm-ours", reuse=False)
-        for reuse in (False, True):
+        if not ns.no_warm:
+            bare(trivial_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
+            bare(torch_trainable, 2, ns.concurrency, folder / "warm", reuse=False)
+            ours(2, ns.concurrency, folder / "warm-ours", reuse=False)
+        for reuse in settings:
             rows["trivial", reuse] = bare(
                 trivial_trainable, ns.trials, ns.concurrency, folder / "ray", reuse
             )
@@ -204,21 +215,19 @@ def main() -> None:
     ray.shutdown()
 
     print(f"trials={ns.trials} concurrency={ns.concurrency} cpus={ns.cpus} ray={ray.__version__}")
-    print(f"{'':44} {'reuse_actors=False':>20} {'reuse_actors=True':>20}")
+    print(f"{'':44}" + "".join(f" {f'reuse_actors={r}':>20}" for r in settings))
     labels = {
         "trivial": "Ray's own cost (trivial trainable), s/trial",
         "torch": "bare torch trainable, s/trial",
         "hpsweep": "hpsweep --backend ray, s/trial",
     }
     for side, label in labels.items():
-        print(f"{label:44} {rows[side, False][0]:>20.3f} {rows[side, True][0]:>20.3f}")
-    ratio = [rows["hpsweep", r][0] / rows["torch", r][0] for r in (False, True)]
-    print(f"{'ratio hpsweep / bare torch trainable':44} {ratio[0]:>20.2f} {ratio[1]:>20.2f}")
+        print(f"{label:44}" + "".join(f" {rows[side, r][0]:>20.3f}" for r in settings))
+    ratios = [rows["hpsweep", r][0] / rows["torch", r][0] for r in settings]
+    print(f"{'ratio hpsweep / bare torch trainable':44}" + "".join(f" {x:>20.2f}" for x in ratios))
     for side in ("torch", "hpsweep"):
-        inside = [rows[side, r][1] for r in (False, True)]
-        print(
-            f"{'inside the trial function, s (' + side + ')':44} {inside[0]:>20.3f} {inside[1]:>20.3f}"
-        )
+        inside = "".join(f" {rows[side, r][1]:>20.3f}" for r in settings)
+        print(f"{'inside the trial function, s (' + side + ')':44}{inside}")
     print(
         "(s/trial: wall time of the whole search / trials; inside: mean time in the trial function after its "
         "imports; hpsweep's from trial.json, so without the best/ promotion)"

@@ -62,7 +62,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["--trials", "1", "--epochs", "1", "--rounds", "1", "--busy", "1"],
         ["| hand |", "| hpsweep |", "| hpsweep-pinned |"],
     ),
-    "ray_overhead.py": (["--trials", "2", "--concurrency", "1"], ["hpsweep", "torch"]),
+    "ray_overhead.py": (
+        ["--trials", "2", "--concurrency", "1", "--reuse", "off", "--no-warm"],
+        ["hpsweep --backend ray", "bare torch trainable", "ratio hpsweep / bare torch"],
+    ),
     "scale.py": (
         ["--workers", "2", "--trials", "4", "--trial-s", "0.1"],
         ["| hpsweep | database | 4 |", "| optuna | database |", "| hpsweep | proxy | 4 |"],
