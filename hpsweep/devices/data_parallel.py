@@ -23,7 +23,9 @@ rank takes every N-th batch, so the effective batch is ``per_device_train_batch_
 - **Failures.** The first rank to raise fails the trial with its error and traceback (a CUDA
   out-of-memory error reads as one, see `hpsweep.devices.memory`); the other ranks are stopped at once
   (SIGTERM, then SIGKILL), so a dead rank never leaves the others waiting in a collective, and a
-  process-group timeout (``HPSWEEP_DIST_TIMEOUT_S``, default 600 s) bounds a rank that hangs.
+  process-group timeout (``ddp_timeout``, else ``HPSWEEP_DIST_TIMEOUT_S``, default 600 s) bounds
+  a rank that hangs. ``ddp_backend`` names the group's backend (default gloo on the CPU, NCCL on
+  GPUs).
 - **Signals.** Ctrl-C or SIGTERM of this process stops the ranks, then the trial is recorded
   ``stopped``; the ranks die with this process (``PR_SET_PDEATHSIG``) even after a ``kill -9``.
 - **Memory.** This process never initialises CUDA (so forking stays safe trial after trial), and
@@ -99,6 +101,7 @@ def train_data_parallel(
             "it to each process's GPU"
         )
     job = runner.job
+    check_backend(args)
     _preimport()
     group = _RankGroup(job.processes_per_trial)
     try:
@@ -154,7 +157,8 @@ class _RankGroup:
             "store": os.path.join(self.store_dir, "store"),
             "threads": threads_per_process(self.n),
             "use_cpu": bool(args.use_cpu),
-            "timeout_s": _timeout_s(),
+            "backend": args.ddp_backend,
+            "timeout_s": float(args.ddp_timeout) if args.ddp_timeout is not None else _timeout_s(),
         }
         # Signals wait until each rank has its own handlers: none sees the terminal's Ctrl-C half set up.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -250,6 +254,26 @@ class _RankGroup:
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def check_backend(args: Any) -> None:
+    """``ddp_backend``, when given, one this torch has, and not NCCL on the CPU: else one line
+    before any process starts."""
+    import torch.distributed as dist
+
+    name = args.ddp_backend
+    if name is None:
+        return
+    if name == "nccl" and args.use_cpu:
+        raise UserError(
+            "ddp_backend='nccl' runs on GPUs and use_cpu=True trains on the CPU; use 'gloo' or leave "
+            "ddp_backend None"
+        )
+    if not dist.is_backend_available(name):
+        raise UserError(
+            f"ddp_backend={name!r} is not available in this torch build; leave ddp_backend None "
+            "(gloo on the CPU, nccl on GPUs) or install a torch built with it"
+        )
 
 
 def _timeout_s() -> float:
@@ -369,7 +393,7 @@ def _join_group(rank: int, setup: dict[str, Any]) -> None:
     if not use_cpu:
         torch.cuda.set_device(rank)  # CUDA_VISIBLE_DEVICES holds the trial's GPUs, one per rank
     dist.init_process_group(
-        "gloo" if use_cpu else "nccl",
+        setup["backend"] or ("gloo" if use_cpu else "nccl"),
         init_method=f"file://{setup['store']}",
         rank=rank,
         world_size=n,

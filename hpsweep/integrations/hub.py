@@ -38,13 +38,15 @@ def push_best(
     output_dir: Path,
     repo_id: str,
     *,
-    private: bool = False,
+    private: bool | None = False,
     revision: str | None = None,
     token: str | None = None,
 ) -> str:
-    """Push ``output_dir/best`` (weights, config, training log) with a model card to ``repo_id``.
+    """Push ``output_dir/best`` (weights, config, training log) with a model card to ``repo_id``
+    (a bare name is the token's user's, as transformers names a ``hub_model_id``).
 
-    Creates the repo (and the ``revision`` branch) when needed; returns the commit URL.
+    Creates the repo (and the ``revision`` branch) when needed; ``private`` None leaves the Hub's
+    default visibility. Returns the commit URL.
     """
     output_dir = Path(output_dir)
     best = runs.read_best(output_dir)
@@ -53,6 +55,8 @@ def push_best(
             f"{output_dir}: no best run to push (no best_run.json and best/); "
             "give the --output-dir of a sweep with a completed trial"
         )
+    token = _token(token)
+    repo_id = _full_repo_id(repo_id, token)
     chosen = best[0] if isinstance(best, list) else best
     records = runs.read_trials(output_dir)
     with tempfile.TemporaryDirectory(prefix="hpsweep-push-") as tmp:
@@ -80,11 +84,24 @@ def stage_model(checkpoint: Path, staging: Path) -> Path:
     return staging
 
 
+def _full_repo_id(repo_id: str, token: str) -> str:
+    """``repo_id`` with its namespace: a bare name goes under the token's user."""
+    if "/" in repo_id:
+        return repo_id
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        return f"{api.whoami()['name']}/{repo_id}"
+    except Exception as exc:
+        raise push_error(exc, repo_id, api.endpoint, token) from None
+
+
 def _upload(
     folder: Path,
     repo_id: str,
     *,
-    private: bool,
+    private: bool | None,
     revision: str | None,
     token: str | None,
     message: str,
@@ -319,13 +336,28 @@ def _fmt(value: Any) -> str:
 
 
 class PushBestAtEnd(SweepCallback):
-    """``hpsweep run --push-to-hub ID``: push the best run once the sweep is done (not after Ctrl-C)."""
+    """``hpsweep run --push-to-hub ID`` (or ``push_to_hub=True`` in the arguments): push the best
+    run once the sweep is done (not after Ctrl-C).
 
-    def __init__(self, repo_id: str, *, private: bool = False, revision: str | None = None) -> None:
+    ``token`` (the arguments' ``hub_token``; None: the login's) stays in this process: it is left
+    out when the callback travels to the processes that run trials, and never shown."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = False,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.repo_id, self.private, self.revision = repo_id, private, revision
+        self._token = token
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_token": None}
 
     def on_sweep_begin(self, settings: Any) -> None:
-        _token(None)  # no token: say so before training, not after
+        _token(self._token)  # no token: say so before training, not after
         self.output_dir = Path(settings.output_dir)
 
     def on_sweep_end(self, best: Any, records: list[Any], interrupted: bool) -> None:
@@ -333,7 +365,11 @@ class PushBestAtEnd(SweepCallback):
             return
         try:
             url = push_best(
-                self.output_dir, self.repo_id, private=self.private, revision=self.revision
+                self.output_dir,
+                self.repo_id,
+                private=self.private,
+                revision=self.revision,
+                token=self._token,
             )
         except UserError as exc:
             raise UserError(

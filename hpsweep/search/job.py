@@ -108,6 +108,41 @@ REPORT_TO: dict[str, tuple[str, str]] = {
 }
 
 
+#: The sweep callback ``push_to_hub=True`` makes: the push of the best run (``--push-to-hub``),
+#: looked up by name as `REPORT_TO`'s are.
+PUSH_BEST = ("hpsweep.integrations.hub", "PushBestAtEnd")
+
+
+def push_to_hub_callbacks(args: Any, given: Sequence[SweepCallback]) -> list[SweepCallback]:
+    """``push_to_hub=True``: the best run pushed once the sweep ends, as ``--push-to-hub`` does, to
+    ``hub_model_id`` (None: the output folder's name, under the token's user), private with
+    ``hub_private_repo``, on the ``hub_revision`` branch, with ``hub_token`` (None: the login's).
+    None when a push of the best run is given already (``--push-to-hub`` names the repo then)."""
+    import importlib
+
+    if not args.push_to_hub:
+        return []
+    module, cls_name = PUSH_BEST
+    cls = getattr(importlib.import_module(module), cls_name)
+    if any(isinstance(c, cls) for c in given):
+        return []
+    repo_id = args.hub_model_id or Path(str(args.output_dir).rstrip("/")).name
+    return [
+        cls(
+            repo_id,
+            private=args.hub_private_repo,
+            revision=args.hub_revision,
+            token=args.hub_token,
+        )
+    ]
+
+
+def trial_arguments(args: TrainingArguments, output_dir: Path) -> TrainingArguments:
+    """The arguments every trial of a sweep in ``output_dir`` starts from: no push of its own (the
+    sweep pushes its best run) and no Hub token, which travels to no trial's process or record."""
+    return args.replace(output_dir=str(output_dir), push_to_hub=False, hub_token=None)
+
+
 def report_to_callbacks(report_to: Any, given: Sequence[SweepCallback]) -> list[SweepCallback]:
     """The sweep callbacks ``report_to`` names (``"all"``: every one in `REPORT_TO`), each one
     made with its defaults, as transformers' callbacks read their settings from the environment

@@ -27,7 +27,14 @@ from hpsweep.search.checks import (
     check_space_against_args,
     normalise_directions,
 )
-from hpsweep.search.job import Objective, SweepCallback, SweepJob, report_to_callbacks
+from hpsweep.search.job import (
+    Objective,
+    SweepCallback,
+    SweepJob,
+    push_to_hub_callbacks,
+    report_to_callbacks,
+    trial_arguments,
+)
 from hpsweep.search.space import validate_space
 from hpsweep.search.trial_runner import TrialRunner
 
@@ -253,7 +260,7 @@ def job_for(
     """What every trial of the sweep needs, taken from the trainer the search was called on."""
     return SweepJob(
         model_init=trainer.model_init,
-        args=trainer.args.replace(output_dir=str(output_dir)),
+        args=trial_arguments(trainer.args, output_dir),
         train_dataset=trainer.train_dataset,
         eval_dataset=trainer.eval_dataset,
         objective=objective,
@@ -266,6 +273,7 @@ def job_for(
         sweep_callbacks=[
             *request.sweep_callbacks,
             *report_to_callbacks(trainer.args.report_to, request.sweep_callbacks),
+            *push_to_hub_callbacks(trainer.args, request.sweep_callbacks),
         ],
         model_takes_trial=takes_trial,
         trainer_cls=type(trainer),

@@ -14,7 +14,8 @@ from hpsweep.errors import UserError
 
 def make_accelerator(args: Any) -> Any:
     """An ``Accelerator`` for ``args`` (``mixed_precision``, ``use_cpu``,
-    ``gradient_accumulation_steps``); a precision the device cannot run is one `UserError`."""
+    ``gradient_accumulation_steps``, the ``ddp_*`` options); a precision the device cannot run is
+    one `UserError`."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
@@ -39,6 +40,7 @@ def make_accelerator(args: Any) -> Any:
             dataloader_config=DataLoaderConfiguration(
                 use_seedable_sampler=True, data_seed=args.data_seed
             ),
+            kwargs_handlers=ddp_kwargs(args),
         )
     except ValueError as exc:
         raise UserError(
@@ -52,6 +54,20 @@ def make_accelerator(args: Any) -> Any:
         )
     apply_tf32(args.tf32, acc.device)
     return acc
+
+
+#: transformers' ddp_* fields, each the DistributedDataParallel option of the same name
+DDP_OPTIONS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "static_graph")
+
+
+def ddp_kwargs(args: Any) -> list[Any]:
+    """accelerate's ``DistributedDataParallelKwargs`` with the ``ddp_*`` options ``args`` sets (None
+    leaves torch's default), for the model of a ``--processes-per-trial`` trial; none when unset."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    given = {name: getattr(args, f"ddp_{name}", None) for name in DDP_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    return [DistributedDataParallelKwargs(**given)] if given else []
 
 
 def apply_tf32(tf32: bool | None, device: Any) -> None:

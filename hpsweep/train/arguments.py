@@ -75,11 +75,17 @@ WORKER_STARTS = ("spawn", "fork", "forkserver")  # dataloader_multiprocessing_co
 TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 METRIC_INCLUDES = ("inputs", "loss")
 
-#: What pushing means in hpsweep, for push_to_hub=True and transformers 4's push_to_hub_* names.
+#: What pushing means in hpsweep, for transformers 4's push_to_hub_* names.
 PUSH_FIX = (
-    "hpsweep pushes the best run once the sweep ends: use --push-to-hub REPO_ID or "
-    "`hpsweep push DIR --repo-id ID` (the token comes from `hf auth login` / HF_TOKEN)"
+    "hpsweep pushes the best run once the sweep ends: use push_to_hub=True with hub_model_id "
+    "(and hub_token), --push-to-hub REPO_ID or `hpsweep push DIR --repo-id ID`"
 )
+#: transformers' hub_strategy values; with push_to_hub=True a sweep pushes its best run once
+#: ("every_save", "end"), never checkpoints with their training state (the other two).
+HUB_STRATEGIES = ("every_save", "end", "checkpoint", "all_checkpoints")
+PUSHES_CHECKPOINTS = ("checkpoint", "all_checkpoints")
+#: transformers' ddp_backend values (torch.distributed's backends)
+DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl")
 #: Names of transformers 4 a user may pass that we refuse, with the fix (the rest get a generic
 #: one). transformers 5's fields are all in `hpsweep.train.hf_fields.FIELDS`.
 HF_REFUSED = {
@@ -198,6 +204,12 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     include_for_metrics: list = field(default_factory=list)
     # evaluate and predict compute the loss alone, gathering no predictions
     prediction_loss_only: bool = False
+    # an evaluation's gathered predictions move to the CPU every N batches (None: each batch's)
+    eval_accumulation_steps: int | None = None
+    # False: predictions (labels, inputs, losses) are lists of one array per batch
+    eval_do_concat_batches: bool = True
+    # compute_metrics(batch, compute_result=) on each batch; its last call's metrics are reported
+    batch_eval_metrics: bool = False
     # reproducibility and hardware
     seed: int = 42
     data_seed: int | None = None  # the training data's order; None: from seed
@@ -222,6 +234,29 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     torch_compile_mode: str | None = None
     disable_progress: bool = False
     run_name: str | None = None
+    # resuming: train() without a resume_from_checkpoint of its own resumes from this one (True:
+    # the latest in output_dir); ignore_data_skip: its epoch starts again at the first batch
+    resume_from_checkpoint: str | bool | None = None
+    ignore_data_skip: bool = False
+    # --processes-per-trial: the process group's backend (None: gloo on the CPU, nccl on GPUs)
+    # and timeout in seconds (None: HPSWEEP_DIST_TIMEOUT_S, else 600), and
+    # DistributedDataParallel's options (None: torch's defaults)
+    ddp_backend: str | None = None
+    ddp_timeout: int | None = None
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
+    # push_to_hub=True: a sweep pushes its best run once it ends (as --push-to-hub) to
+    # hub_model_id (None: the output folder's name under the token's user), created private with
+    # hub_private_repo, on the branch hub_revision, with hub_token (None: the login's). The token
+    # is left out of repr(), to_dict() (training_args.json) and the arguments of every trial.
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_strategy: str = "every_save"
+    hub_private_repo: bool | None = None
+    hub_revision: str | None = None
+    hub_token: str | None = field(default=None, repr=False)
     # Hugging Face names accepted for compatibility (docs/huggingface.md)
     disable_tqdm: bool | None = None  # the same as disable_progress
     evaluation_strategy: str | None = None  # transformers 4's name of eval_strategy
@@ -230,7 +265,6 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     include_inputs_for_metrics: bool = False  # transformers 4's include_for_metrics=["inputs"]
     report_to: str | list | None = "none"  # accepted; tracking is --mlflow, see docs/tracking.md
     logging_dir: str | None = None  # accepted; hpsweep writes no TensorBoard logs
-    push_to_hub: bool = False  # True is refused: the sweep pushes its best run (--push-to-hub)
     do_train: bool = False  # accepted and unused, as by transformers' Trainer
     do_eval: bool = False
     do_predict: bool = False
@@ -337,12 +371,12 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         for name in ("log_level", "log_level_replica"):
             _choice(name, getattr(self, name), tuple(LOG_LEVELS))
         _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, TOKEN_COUNTS)
-        if self.dataloader_multiprocessing_context is not None:
-            _choice(
-                "dataloader_multiprocessing_context",
-                self.dataloader_multiprocessing_context,
-                WORKER_STARTS,
-            )
+        for name, allowed in (
+            ("dataloader_multiprocessing_context", WORKER_STARTS),
+            ("ddp_backend", DDP_BACKENDS),
+        ):
+            if getattr(self, name) is not None:
+                _choice(name, getattr(self, name), allowed)
         if self.dataloader_prefetch_factor is not None:
             _positive("dataloader_prefetch_factor", self.dataloader_prefetch_factor)
         if self.torch_compile:
@@ -378,8 +412,13 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         """What an evaluation gathers and where a run reports (precision, labels, integrations)."""
         if self.fp16_full_eval and self.bf16_full_eval:
             raise UserError("fp16_full_eval=True and bf16_full_eval=True: choose one")
-        if self.push_to_hub:
-            raise UserError(f"push_to_hub=True: {PUSH_FIX}; leave push_to_hub=False")
+        _choice("hub_strategy", self.hub_strategy, HUB_STRATEGIES)
+        if self.push_to_hub and self.hub_strategy in PUSHES_CHECKPOINTS:
+            raise UserError(
+                f"hub_strategy={self.hub_strategy!r} with push_to_hub=True pushes checkpoints with "
+                "their training state; hpsweep pushes the sweep's best model once: use 'end' (or "
+                "PushToHubCallback to push one run's checkpoints)"
+            )
         for name in ("label_names", "include_for_metrics"):
             value = getattr(self, name)
             if value is not None and not (
@@ -415,8 +454,14 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             "adam_epsilon",
         ):
             _positive(name, getattr(self, name))
-        if self.torch_empty_cache_steps is not None:
-            _positive("torch_empty_cache_steps", self.torch_empty_cache_steps)
+        for name in (
+            "torch_empty_cache_steps",
+            "eval_accumulation_steps",
+            "ddp_timeout",
+            "ddp_bucket_cap_mb",
+        ):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         for name in (
             "weight_decay",
             "max_grad_norm",
@@ -518,7 +563,11 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         return self.replace(_source="--set", **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields by name, without ``hub_token``: what is written (``training_args.json``) or
+        logged never holds a token."""
+        values = dataclasses.asdict(self)
+        values.pop("hub_token", None)
+        return values
 
     # --- derived values used by the trainer ---------------------------------------------------
 

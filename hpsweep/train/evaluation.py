@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -156,9 +157,9 @@ class Evaluation:
         started = time.time()
         self._prepare_for_evaluation()
         dl = self.get_test_dataloader(dataset) if predicting else self.get_eval_dataloader(dataset)
-        wanted = (
-            predicting or self.compute_metrics is not None
-        ) and not self.args.prediction_loss_only
+        # with batch_eval_metrics, compute_metrics reads each batch as it comes, not the whole
+        metrics_read_all = self.compute_metrics is not None and not self.args.batch_eval_metrics
+        wanted = (predicting or metrics_read_all) and not self.args.prediction_loss_only
         collect = wanted or self._handler.needs_predictions()
         with not_a_smaller_train_batch(self.args):
             # a subclass's own loop, as transformers
@@ -245,12 +246,24 @@ class Evaluation:
         unwrapped = bare_model(model)
         # as transformers' Trainer names them
         self.label_names = label_names_for(unwrapped, self.args.label_names)
+        args = self.args
+        per_batch = (
+            BatchMetrics(self.compute_metrics)
+            if args.batch_eval_metrics
+            and self.compute_metrics is not None
+            and not args.prediction_loss_only
+            else None
+        )
         collector = PredictionCollector(
             acc,
             model=unwrapped,
-            enabled=collect,
+            enabled=collect or per_batch is not None,
+            keep=collect,
             preprocess=self.preprocess_logits_for_metrics,
-            include=self.args.include_for_metrics,
+            include=args.include_for_metrics,
+            concat_batches=args.eval_do_concat_batches,
+            cpu_every=args.eval_accumulation_steps,
+            per_batch=per_batch,
         )
         step = functools.partial(
             self.prediction_step,
@@ -265,10 +278,12 @@ class Evaluation:
         metrics = {f"{prefix}_loss": loss} if loss is not None else {}
         prediction = collector.result()
         labelled = prediction is not None and prediction.label_ids is not None
-        if (
+        if per_batch is not None:
+            metrics.update(prefixed(per_batch.metrics, prefix))
+        elif (
             self.compute_metrics is not None
             and (labelled or not metrics_need_labels)
-            and not self.args.prediction_loss_only
+            and not args.prediction_loss_only
         ):
             metrics.update(computed_metrics(self.compute_metrics, prediction, prefix))
         data = getattr(dl, "dataset", None)
@@ -361,6 +376,8 @@ def evaluation_loop(
     try:
         with torch.no_grad(), precision:
             for batch in dataloader:
+                # the prepared loader's own look-ahead knows its last batch (gather_for_metrics reads it too)
+                last = collector.accelerator.gradient_state.end_of_dataloader
                 loss, logits, labels = step(model, batch)
                 size = batch_size(batch)
                 rows += size
@@ -381,7 +398,7 @@ def evaluation_loop(
                         )
                     total += loss.detach().to(total.dtype) * size
                     count += size
-                collector.add(batch, labels, loss, size, logits)
+                collector.add(batch, labels, loss, size, logits, last=last)
     finally:
         model.train(was_training)
     return (float(total) / max(count, 1) if total is not None else None), rows
@@ -413,7 +430,12 @@ def computed_metrics(
             "compute_metrics needs predictions, but the model returned only the loss; "
             "return (loss, logits) or {'loss': ..., 'logits': ...} from forward"
         )
-    computed = compute_metrics(prediction)
+    return prefixed(compute_metrics(prediction), prefix)
+
+
+def prefixed(computed: Any, prefix: str) -> dict[str, float]:
+    """What ``compute_metrics`` returned, as ``<prefix>_*`` floats; anything but a mapping is one
+    `UserError`."""
     if not isinstance(computed, Mapping):
         raise UserError(
             f"compute_metrics returned {type(computed).__name__}; return a dict of metric name -> "
@@ -423,3 +445,38 @@ def computed_metrics(
         key if key.startswith(f"{prefix}_") else f"{prefix}_{key}": float(value)
         for key, value in computed.items()
     }
+
+
+class BatchMetrics:
+    """``batch_eval_metrics``: ``compute_metrics(batch, compute_result=last)`` on each batch, as
+    transformers calls it; the metrics are what its call on the last batch returned (none when the
+    evaluation had no batch with predictions and labels)."""
+
+    def __init__(self, compute_metrics: Callable[..., Any]) -> None:
+        self.compute_metrics = compute_metrics
+        self.metrics: Any = {}
+
+    def __call__(self, batch: Any, last: bool) -> None:
+        computed = self.compute_metrics(batch, compute_result=last)
+        if last:
+            self.metrics = computed
+
+
+def check_batch_metrics(args: Any, compute_metrics: Callable[..., Any] | None) -> None:
+    """``batch_eval_metrics=True`` with a ``compute_metrics`` that takes no ``compute_result``: one
+    line, when the Trainer is built (transformers refuses it there too)."""
+    if not args.batch_eval_metrics or compute_metrics is None:
+        return
+    try:
+        parameters = inspect.signature(compute_metrics).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: it is called and tells
+        return
+    takes = "compute_result" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+    if not takes:
+        raise UserError(
+            "batch_eval_metrics=True calls compute_metrics(eval_pred, compute_result=...) on each "
+            "evaluation batch; give compute_metrics a compute_result parameter (True on the last "
+            "batch: return the metrics then), or leave batch_eval_metrics=False"
+        )

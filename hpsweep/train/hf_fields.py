@@ -5,12 +5,14 @@ conversion of a transformers instance and the field table of docs/huggingface.md
 Each field is one of:
 
 - ``honoured``: a field of hpsweep's `TrainingArguments` too; it does what it does there.
+- ``mapped``: a field of hpsweep's `TrainingArguments` too, that sets a feature hpsweep has under
+  another name (the reason names it).
 - ``accepted``: any value is taken and changes nothing hpsweep computes (the reason says why).
 - ``refused``: its default is taken; another value needs an engine or a feature hpsweep does not
   have, and is one line saying why and what to use.
 
-    >>> FIELDS["deepspeed"][0], FIELDS["hub_token"][0], FIELDS["tf32"][0]
-    ('refused', 'accepted', 'honoured')
+    >>> FIELDS["deepspeed"][0], FIELDS["hub_token"][0], FIELDS["tf32"][0], FIELDS["project"][0]
+    ('refused', 'mapped', 'honoured', 'accepted')
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ from typing import Any
 
 from hpsweep.errors import UserError
 
-HONOURED, ACCEPTED, REFUSED = "honoured", "accepted", "refused"
+HONOURED, MAPPED, ACCEPTED, REFUSED = "honoured", "mapped", "accepted", "refused"
 
 _PUSH = (
-    "transformers reads it only with push_to_hub=True; hpsweep pushes the best run once the sweep "
-    "ends: --push-to-hub REPO_ID (--hub-private, --hub-revision; the token comes from "
-    "`hf auth login` / HF_TOKEN and is never recorded)"
+    "with push_to_hub=True, hyperparameter_search pushes the sweep's best run once it ends, as "
+    "--push-to-hub does"
 )
 _ENGINE = "use --processes-per-trial N (accelerate data parallel)"
 _LOGS = (
     "the level of hpsweep's and transformers' logs, set when a Trainer is built, on the main "
     "process and on the others, as in transformers"
 )
-_DDP = "accelerate's data parallel under --processes-per-trial uses its own defaults"
+_DDP = (
+    "passed to DistributedDataParallel (accelerate's DistributedDataParallelKwargs) in a "
+    "--processes-per-trial trial"
+)
+_GROUP = "the process group of a --processes-per-trial trial"
 _DATALOADER = "only with dataloader_num_workers > 0, as in transformers"
 
 #: field -> (what happens, its transformers default, why / what to use). Fields of transformers 4
@@ -86,14 +91,16 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "trackio_static_space_id": (ACCEPTED, None, "Trackio is not started; use --mlflow"),
     # evaluation
     "eval_accumulation_steps": (
-        ACCEPTED,
+        HONOURED,
         None,
-        "each evaluation batch's predictions move to the CPU as it ends, as with 1 there",
+        "an evaluation's gathered predictions stay on the device for N batches, then move to the "
+        "CPU together (None: each batch's as it ends, as with 1; transformers keeps them all there)",
     ),
     "eval_do_concat_batches": (
-        REFUSED,
+        HONOURED,
         True,
-        "evaluation predictions are concatenated; leave it True",
+        "False: predictions, labels, inputs and losses reach compute_metrics and predict() as lists "
+        "of one array per batch",
     ),
     "eval_use_gather_object": (
         REFUSED,
@@ -101,9 +108,10 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         "predictions are gathered as tensors; return tensors from the model",
     ),
     "batch_eval_metrics": (
-        REFUSED,
+        HONOURED,
         False,
-        "compute_metrics sees the whole evaluation at once; leave it False",
+        "compute_metrics(batch, compute_result=) is called on each evaluation batch's gathered "
+        "tensors, compute_result=True on the last, whose metrics the evaluation reports",
     ),
     "average_tokens_across_devices": (
         ACCEPTED,
@@ -129,9 +137,10 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     # checkpoints and resuming
     "save_on_each_node": (ACCEPTED, False, "a trial runs on one machine; its first process saves"),
     "resume_from_checkpoint": (
-        ACCEPTED,
+        HONOURED,
         None,
-        "transformers' Trainer does not read it either; pass it to train(resume_from_checkpoint=)",
+        "train() without one of its own resumes from it (True: the latest in output_dir); a "
+        "sweep's trials resume from their own checkpoints, as transformers' search ignores it",
     ),
     "restore_callback_states_from_checkpoint": (
         ACCEPTED,
@@ -139,9 +148,9 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         "callbacks' states are restored on every resume, so a resumed run stops where it would have",
     ),
     "ignore_data_skip": (
-        REFUSED,
+        HONOURED,
         False,
-        "a resumed run always continues at the batch where it stopped; leave it False",
+        "True: a resumed run starts its epoch again at the first batch, not where it stopped",
     ),
     "enable_jit_checkpoint": (
         REFUSED,
@@ -149,20 +158,52 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
         "no checkpoint on SIGTERM; a trial cut short resumes from its last save_strategy checkpoint",
     ),
     # the Hub
-    "hub_model_id": (ACCEPTED, None, _PUSH),
-    "hub_strategy": (ACCEPTED, "every_save", _PUSH),
-    "hub_token": (ACCEPTED, None, _PUSH),
-    "hub_private_repo": (ACCEPTED, None, _PUSH),
-    "hub_always_push": (ACCEPTED, False, _PUSH),
-    "hub_revision": (ACCEPTED, None, _PUSH),
+    "hub_model_id": (
+        MAPPED,
+        None,
+        f"the repo; {_PUSH} (None: the output folder's name, under the token's user)",
+    ),
+    "hub_strategy": (
+        MAPPED,
+        "every_save",
+        f"'every_save' and 'end': {_PUSH}, never a trial's checkpoints; 'checkpoint' and "
+        "'all_checkpoints' push training state and are refused with push_to_hub=True",
+    ),
+    "hub_token": (
+        MAPPED,
+        None,
+        "the token of that push (None: `hf auth login` / HF_TOKEN); never in a log, a record, "
+        "training_args.json, repr() or a trial's arguments",
+    ),
+    "hub_private_repo": (MAPPED, None, f"the repo is created private (--hub-private); {_PUSH}"),
+    "hub_always_push": (
+        ACCEPTED,
+        False,
+        "the best run is pushed once, when the sweep ends, and waited for: no push is ever skipped",
+    ),
+    "hub_revision": (MAPPED, None, f"the branch pushed to (--hub-revision); {_PUSH}"),
     # processes and engines
     "local_rank": (ACCEPTED, -1, "the process's rank comes from accelerate"),
-    "ddp_backend": (ACCEPTED, None, _DDP),
-    "ddp_timeout": (ACCEPTED, 1800, _DDP),
-    "ddp_find_unused_parameters": (ACCEPTED, None, _DDP),
-    "ddp_bucket_cap_mb": (ACCEPTED, None, _DDP),
-    "ddp_broadcast_buffers": (ACCEPTED, None, _DDP),
-    "ddp_static_graph": (ACCEPTED, None, _DDP),
+    "ddp_backend": (
+        HONOURED,
+        None,
+        f"the backend of {_GROUP} (None: gloo on the CPU, nccl on GPUs)",
+    ),
+    "ddp_timeout": (
+        HONOURED,
+        1800,
+        f"seconds a process of {_GROUP} waits for the others (unset in hpsweep's arguments: "
+        "HPSWEEP_DIST_TIMEOUT_S, else 600)",
+    ),
+    "ddp_find_unused_parameters": (
+        HONOURED,
+        None,
+        f"{_DDP} (None: torch's False; transformers' None is True unless activation "
+        "checkpointing is on)",
+    ),
+    "ddp_bucket_cap_mb": (HONOURED, None, f"{_DDP} (None: torch's 25)"),
+    "ddp_broadcast_buffers": (HONOURED, None, f"{_DDP} (None: torch's True)"),
+    "ddp_static_graph": (HONOURED, None, f"{_DDP} (None: torch's False)"),
     "accelerator_config": (
         REFUSED,
         None,
@@ -191,7 +232,9 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
 }
 
 #: The fields `FIELDS` lists that hpsweep's `TrainingArguments` holds too.
-HONOURED_FIELDS = frozenset(name for name, (fate, _, _) in FIELDS.items() if fate == HONOURED)
+HONOURED_FIELDS = frozenset(
+    name for name, (fate, _, _) in FIELDS.items() if fate in (HONOURED, MAPPED)
+)
 
 
 def check(name: str, value: Any, default: Any, where: str) -> None:

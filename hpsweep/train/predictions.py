@@ -163,10 +163,10 @@ def main_input(batch: Any, model: Any) -> Any:
 
 
 def gather(accelerator: Any, value: Any) -> Any:
-    """``value`` (tensors, possibly nested) from every process, on the CPU as numpy."""
+    """``value`` (tensors, possibly nested) from every process, on the device they are on."""
     if accelerator.num_processes > 1:
         value = accelerator.pad_across_processes(value, dim=1, pad_index=-100)
-    return to_numpy(accelerator.gather_for_metrics(value))
+    return accelerator.gather_for_metrics(value)
 
 
 def to_numpy(value: Any) -> Any:
@@ -202,7 +202,17 @@ def concat(parts: list[Any]) -> Any:
 
 
 class PredictionCollector:
-    """Gathers one evaluation's predictions, labels (and inputs / losses when asked) batch by batch."""
+    """Gathers one evaluation's predictions, labels (and inputs / losses when asked) batch by batch.
+
+    ``enabled``: the batches' predictions are wanted at all. ``keep``: they are kept for the whole
+    evaluation (`result`), moved to the CPU every ``cpu_every`` batches (``eval_accumulation_steps``;
+    None: each batch's as it ends) and joined into one array each, or left as lists of one array per
+    batch without ``concat_batches`` (``eval_do_concat_batches=False``). ``per_batch`` (with
+    ``batch_eval_metrics``) gets each batch's gathered tensors as an `HFEvalPrediction`, and whether
+    the batch is the evaluation's last.
+    """
+
+    PARTS = ("predictions", "label_ids", "inputs", "losses")
 
     def __init__(
         self,
@@ -212,38 +222,64 @@ class PredictionCollector:
         enabled: bool,
         preprocess: Callable[[Any, Any], Any] | None,
         include: Sequence[str],
+        keep: bool = True,
+        concat_batches: bool = True,
+        cpu_every: int | None = None,
+        per_batch: Callable[[HFEvalPrediction, bool], Any] | None = None,
     ) -> None:
         self.accelerator, self.model, self.enabled = accelerator, model, enabled
         self.preprocess, self.include = preprocess, set(include)
-        self.preds: list[Any] = []
-        self.labels: list[Any] = []
-        self.inputs: list[Any] = []
-        self.losses: list[Any] = []
+        self.keep, self.concat_batches, self.per_batch = keep, concat_batches, per_batch
+        self.cpu_every = cpu_every or 1
+        self.on_device: dict[str, list[Any]] = {part: [] for part in self.PARTS}
+        self.on_cpu: dict[str, list[Any]] = {part: [] for part in self.PARTS}
+        self.batches = 0
 
     def add(
-        self, batch: Any, labels: Any, loss: torch.Tensor | None, size: int, logits: Any
+        self,
+        batch: Any,
+        labels: Any,
+        loss: torch.Tensor | None,
+        size: int,
+        logits: Any,
+        last: bool = False,
     ) -> None:
-        """One batch's `prediction_step` results; ``loss`` None for a batch that gave none."""
+        """One batch's `prediction_step` results; ``loss`` None for a batch that gave none;
+        ``last``: the evaluation's last batch."""
         if not self.enabled:
             return
+        if logits is not None and self.preprocess is not None:
+            logits = self.preprocess(logits, labels)
+        parts = {
+            "predictions": logits,
+            "label_ids": labels,
+            "inputs": main_input(batch, self.model) if "inputs" in self.include else None,
+            "losses": loss.detach().reshape(1).repeat(size)
+            if "loss" in self.include and loss is not None
+            else None,
+        }
         acc = self.accelerator
-        if logits is not None:
-            if self.preprocess is not None:
-                logits = self.preprocess(logits, labels)
-            self.preds.append(gather(acc, logits))
-        if labels is not None:
-            self.labels.append(gather(acc, labels))
-        if "inputs" in self.include:
-            self.inputs.append(gather(acc, main_input(batch, self.model)))
-        if "loss" in self.include and loss is not None:
-            self.losses.append(gather(acc, loss.detach().reshape(1).repeat(size)))
+        gathered = {name: gather(acc, v) for name, v in parts.items() if v is not None}
+        if self.per_batch is not None and {"predictions", "label_ids"} <= set(gathered):
+            self.per_batch(HFEvalPrediction(**{**dict.fromkeys(self.PARTS), **gathered}), last)
+        if self.keep:
+            for name, value in gathered.items():
+                self.on_device[name].append(value)
+            self.batches += 1
+            if self.batches % self.cpu_every == 0:
+                self._to_cpu()
+
+    def _to_cpu(self) -> None:
+        """The batches gathered on the device since the last move, to the CPU as numpy."""
+        for name, values in self.on_device.items():
+            self.on_cpu[name].extend(to_numpy(v) for v in values)
+            values.clear()
 
     def result(self) -> HFEvalPrediction | None:
-        if not self.preds:
+        self._to_cpu()
+        if not self.on_cpu["predictions"]:
             return None
+        join = concat if self.concat_batches else list
         return HFEvalPrediction(
-            concat(self.preds),
-            concat(self.labels) if self.labels else None,
-            inputs=concat(self.inputs) if self.inputs else None,
-            losses=concat(self.losses) if self.losses else None,
+            **{name: join(arrays) if arrays else None for name, arrays in self.on_cpu.items()}
         )

@@ -45,7 +45,7 @@ from hpsweep.train.data import (
     split_labels,
     train_sampler,
 )
-from hpsweep.train.evaluation import Evaluation
+from hpsweep.train.evaluation import Evaluation, check_batch_metrics
 from hpsweep.train.log_levels import apply_log_level
 from hpsweep.train.model_init import call_model_init, model_init_arity
 from hpsweep.train.predictions import (
@@ -118,6 +118,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.compute_metrics = compute_metrics
+        check_batch_metrics(self.args, compute_metrics)
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
         # They ride with the callbacks, so that every trial's trainer gets them (HFComponents).
@@ -269,13 +270,18 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None
     ) -> TrainOutput:
-        """Train from scratch, or from a checkpoint (``True``: the run's latest one).
+        """Train from scratch, or from a checkpoint (``True``: the run's latest one; None: the
+        arguments' ``resume_from_checkpoint``, outside a sweep's trial).
 
         With a ``trial``, ``model_init(trial)`` builds the model and ``trial.params`` are recorded.
         Checkpoints are written in the background; every one is on disk when this returns. With
         ``auto_find_batch_size``, a run that runs out of memory starts again with half the batch
         (`train_finding_batch_size`). The loop itself, step by step, is `TrainingLoop`.
         """
+        if trial is None:  # a run of its own, not a sweep's trial
+            _refuse_push(self.args)
+            if resume_from_checkpoint is None:
+                resume_from_checkpoint = self.args.resume_from_checkpoint
         if self.args.auto_find_batch_size:
             return train_finding_batch_size(self, resume_from_checkpoint, trial)
         return TrainingLoop(self, trial).run(resume_from_checkpoint)
@@ -415,6 +421,17 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             backend=backend or "optuna",
             hp_name=hp_name,
             **backend_options,
+        )
+
+
+def _refuse_push(args: TrainingArguments) -> None:
+    """``push_to_hub`` on a ``train()`` of its own: one line, as hpsweep pushes a sweep's best run
+    (a sweep's trials train with it off)."""
+    if args.push_to_hub:
+        raise UserError(
+            "push_to_hub=True pushes a sweep's best run when hyperparameter_search ends; a single "
+            "train() does not push: add PushToHubCallback(REPO_ID) to callbacks, or leave "
+            "push_to_hub=False"
         )
 
 

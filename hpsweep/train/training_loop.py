@@ -164,6 +164,8 @@ class TrainingLoop:
 
         self.first_step = self.state.global_step
         self.epochs_done, self.skip_steps = divmod(self.first_step, self.steps_per_epoch)
+        if args.ignore_data_skip:  # the resumed epoch from its first batch again, as transformers
+            self.skip_steps = 0
         self.batches_per_epoch = len(self.train_dl)
         self.accumulation = args.gradient_accumulation_steps
         self.running_loss = torch.zeros((), device=self.acc.device)

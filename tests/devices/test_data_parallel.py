@@ -339,3 +339,62 @@ def test_each_process_of_a_trial_sees_its_rank_in_the_arguments_and_the_main_one
     )
     # it entered the block once the main process had done its work
     assert other["entered"] >= main["entered"] + 0.5
+
+
+DDP_LOG = """
+import gc, json, os
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+class Unused(Net):
+    def __init__(self, hidden=16):
+        super().__init__(hidden)
+        self.spare = torch.nn.Linear(8, 4)  # never in the loss
+        self.register_buffer("mark", torch.zeros(()))
+
+def model_init(trial):
+    return Unused()
+
+class _DDPLog(hpsweep.TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.mark.fill_(int(os.environ["RANK"]))  # DDP broadcasts rank 0's buffers when told to
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        wrapper = next(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
+        group = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        seen = {"mark": model.mark.item(), "backend": dist.get_backend(),
+                "timeout_s": group.options._timeout.total_seconds(),
+                "bucket_bytes": wrapper.bucket_bytes_cap, "find_unused": wrapper.find_unused_parameters}
+        with open(os.path.join(args.output_dir, f"ddp-{os.environ['RANK']}.json"), "w") as f:
+            json.dump(seen, f)
+callbacks = [_DDPLog()]
+"""
+
+
+def test_ddp_fields_set_the_process_group_and_distributed_data_parallel(tmp_path: Path) -> None:
+    # a model with a parameter outside the loss trains only with ddp_find_unused_parameters=True
+    space = write_space(
+        tmp_path,
+        space='{"ddp_find_unused_parameters": hpsweep.Categorical([False, True])}',
+        model_init="",
+        extra=DDP_LOG,
+        epochs=1,
+        extra_args=', ddp_backend="gloo", ddp_timeout=90, ddp_bucket_cap_mb=1, '
+        "ddp_broadcast_buffers=False",
+    )
+    argv = ["run", space, "--n-trials", "2", "--sampler", "grid", "--processes-per-trial", "2"]
+    hpsweep_cli(*argv, check=True)
+    records = {
+        r.params["ddp_find_unused_parameters"]: r for r in runs.read_trials(tmp_path / "out")
+    }
+    assert records[False].state == "failed" and "find_unused_parameters" in records[False].error
+    assert records[True].state == "complete"
+    run_dir = Path(records[True].run_dir)
+    ranks = [json.loads((run_dir / f"ddp-{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, seen in enumerate(ranks):
+        assert seen["mark"] == rank  # ddp_broadcast_buffers=False: each process keeps its own
+        assert (seen["backend"], seen["timeout_s"]) == ("gloo", 90)
+        assert (seen["bucket_bytes"], seen["find_unused"]) == (1024 * 1024, True)
+    # a backend this torch lacks is one line before any process starts
+    refused = hpsweep_cli(*argv, "--set", "ddp_backend=mpi", "--output-dir", tmp_path / "mpi")
+    assert refused.returncode == 2 and "\n" not in refused.stderr.strip()
+    assert "ddp_backend='mpi' is not available" in refused.stderr

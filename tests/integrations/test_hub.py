@@ -222,3 +222,69 @@ def test_push_to_hub_callback_pushes_during_training_without_blocking(tmp_path: 
     assert all("model.safetensors" in c["paths"] for c in commits)
     # each commit takes 1 s on this hub; training never waited for one while it saved checkpoints
     assert result["longest_save"] < 0.5
+
+
+SEARCH_WITH_HUB_ARGUMENTS = """
+import json, os, sys
+sys.path.insert(0, {folder!r})
+import space, transformers
+import hpsweep
+
+def hp_space(trial):
+    return {{"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)}}
+
+def search(args, n_trials):
+    trainer = hpsweep.Trainer(model_init=space.model_init, args=args, train_dataset=space.train_dataset(),
+                              eval_dataset=space.eval_dataset(), compute_metrics=space.compute_metrics)
+    best = trainer.hyperparameter_search(hp_space, n_trials=n_trials, direction="maximize")
+    return os.path.basename(best.run_dir)
+
+# transformers' arguments, as a script written for its Trainer sets them
+hf_args = transformers.TrainingArguments(
+    {out!r}, num_train_epochs=1, per_device_train_batch_size=32, per_device_eval_batch_size=128,
+    eval_strategy="epoch", save_strategy="epoch", report_to="none", disable_tqdm=True,
+    push_to_hub=True, hub_model_id="tester/tiny-hf", hub_token={token!r}, hub_private_repo=True,
+    hub_revision="sweep-1", hub_strategy="end")
+first = search(hf_args, n_trials=2)
+# hpsweep's, without a hub_model_id: the repo is named after the output folder
+args = hpsweep.TrainingArguments({named!r}, num_train_epochs=1, per_device_train_batch_size=32,
+                                 disable_progress=True, push_to_hub=True, hub_token={token!r})
+print(json.dumps([first, search(args, n_trials=1)]))
+"""
+
+
+def test_push_to_hub_arguments_push_the_sweeps_best_run_with_their_token(tmp_path: Path) -> None:
+    write_space(tmp_path, epochs=1)
+    script = tmp_path / "search.py"
+    out, named = tmp_path / "out", tmp_path / "my-sweep"
+    script.write_text(
+        SEARCH_WITH_HUB_ARGUMENTS.format(
+            folder=str(tmp_path), out=str(out), named=str(named), token=TOKEN
+        )
+    )
+    import subprocess
+    import sys
+
+    with FakeHub(token=TOKEN) as hub:
+        # no token but the arguments': HF_TOKEN is empty and nobody logged in
+        env = {**os.environ, **_env(hub, tmp_path), "HF_TOKEN": "", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+        files = hub.files("tester/tiny-hf", "sweep-1")
+        assert hub.repos["tester/tiny-hf"]["private"] is True
+        assert files["model.safetensors"] == (out / "best" / "model.safetensors").read_bytes()
+        assert _metadata(files["README.md"])["hpsweep"]["best_run"] == first
+        assert [c["branch"] for c in hub.commits("tester/tiny-hf")] == ["sweep-1"]  # pushed once
+        default = hub.files("tester/my-sweep")
+        assert default["model.safetensors"] == (named / "best" / "model.safetensors").read_bytes()
+        assert _metadata(default["README.md"])["hpsweep"]["best_run"] == second
+        pushed = [*files.values(), *default.values()]
+    # no trial pushed or held the token: the arguments every trial saved say so
+    saved = [json.loads(p.read_text()) for p in out.glob("run-*/checkpoint-*/training_args.json")]
+    assert saved and all(not a["push_to_hub"] and "hub_token" not in a for a in saved)
+    written = [p.read_bytes() for folder in (out, named) for p in folder.rglob("*") if p.is_file()]
+    everything = b"".join([proc.stdout.encode(), proc.stderr.encode(), *pushed, *written])
+    assert TOKEN.encode() not in everything

@@ -75,7 +75,11 @@ def test_transformers_names_mean_what_they_mean_there() -> None:
     [
         (dict(learning_rte=1e-3), ["'learning_rte'", "did you mean 'learning_rate'"]),
         (dict(deepspeed="ds.json"), ["deepspeed='ds.json'", "--processes-per-trial"]),
-        (dict(push_to_hub=True), ["push_to_hub=True", "--push-to-hub"]),
+        (
+            dict(push_to_hub=True, hub_strategy="checkpoint"),
+            ["hub_strategy='checkpoint' with push_to_hub=True", "'end'"],
+        ),
+        (dict(hub_strategy="never"), ["hub_strategy='never'", "every_save, end"]),
         (
             dict(torch_compile_backend="inductr"),
             ["torch_compile_backend='inductr'", "did you mean 'inductor'"],
@@ -173,10 +177,13 @@ def test_a_transformers_training_arguments_is_converted_by_field_name(tmp_path: 
 def test_a_transformers_setting_hpsweep_cannot_honour_is_refused_naming_it(tmp_path: Path) -> None:
     import transformers
 
-    hf_args = transformers.TrainingArguments(str(tmp_path), ignore_data_skip=True, report_to="none")
+    hf_args = transformers.TrainingArguments(
+        str(tmp_path), enable_jit_checkpoint=True, report_to="none"
+    )
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
-    assert "ignore_data_skip=True" in str(info.value) and "leave it False" in str(info.value)
+    message = str(info.value)
+    assert "enable_jit_checkpoint=True" in message and "save_strategy checkpoint" in message
     compiled = transformers.TrainingArguments(
         str(tmp_path), torch_compile_mode="max-autotune", report_to="none"
     )

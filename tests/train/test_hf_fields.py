@@ -1,7 +1,7 @@
 """Every field of the installed ``transformers.TrainingArguments``: known to hpsweep, accepted at
 its default (as a keyword and in a converted transformers instance), and at another value honoured,
-accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the table in
-docs/huggingface.md shows."""
+mapped, accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the
+table in docs/huggingface.md shows."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import nn
 import hpsweep
 from hpsweep import TrainingArguments, UserError
 from hpsweep.train import hf_fields
-from hpsweep.train.hf_fields import ACCEPTED, FIELDS, HONOURED, REFUSED
+from hpsweep.train.hf_fields import ACCEPTED, FIELDS, HONOURED, MAPPED, REFUSED
 
 HF_PAGE = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 THEIRS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
@@ -56,7 +56,7 @@ def test_every_transformers_field_is_known_to_hpsweep_with_its_default() -> None
         f"add these transformers fields to hpsweep.train.hf_fields.FIELDS: {unknown}"
     )
     for name, (fate, default, why) in FIELDS.items():
-        assert (name in OURS) == (fate == HONOURED), name
+        assert (name in OURS) == (fate in (HONOURED, MAPPED)), name
         assert why and "\n" not in why and "|" not in why, name
         if name in THEIRS:
             assert hf_fields.same(default_of(THEIRS[name]), default), name
@@ -96,9 +96,15 @@ def test_a_transformers_instance_at_its_defaults_or_with_hub_fields_converts(
     )
     args = hpsweep.Trainer(model_init=Net, args=hf_args).args
     assert args.output_dir == str(tmp_path)
-    # the token is not kept anywhere the arguments are written or logged
+    assert (args.hub_model_id, args.hub_strategy, args.hub_private_repo) == (
+        "me/model",
+        "end",
+        True,
+    )
+    # the token is there for the push, and nowhere the arguments are written or logged
     shown = repr(args) + json.dumps(args.to_dict(), default=str) + args.to_json_string()
-    assert token not in shown and not hasattr(args, "hub_token")
+    shown += json.dumps(args.to_sanitized_dict())
+    assert args.hub_token == token and token not in shown and "hub_token" not in args.to_dict()
 
 
 @pytest.mark.parametrize("name", fates(ACCEPTED))
@@ -135,8 +141,8 @@ def test_a_refused_field_at_another_value_is_one_line_saying_why_and_what_to_use
 @pytest.mark.parametrize(
     "setting",
     [
-        dict(batch_eval_metrics=True),
-        dict(eval_do_concat_batches=False),
+        dict(eval_use_gather_object=True),
+        dict(enable_jit_checkpoint=True),
         dict(debug="underflow_overflow"),
     ],
 )
@@ -369,8 +375,8 @@ def test_tf32_and_torch_empty_cache_steps_train_on_a_cpu_changing_nothing(tmp_pa
 
 
 def test_set_and_config_files_take_transformers_fields_as_keywords_do(tmp_path: Path) -> None:
-    args = TrainingArguments().with_overrides(["hub_model_id=me/model", "log_level=info"])
-    assert args.log_level == "info" and not hasattr(args, "hub_model_id")
+    args = TrainingArguments().with_overrides(["hub_model_id=me/model", "use_cache=true"])
+    assert args.hub_model_id == "me/model" and not hasattr(args, "use_cache")
     config = tmp_path / "args.yaml"
     config.write_text("fsdp: full_shard\n")
     with pytest.raises(UserError, match=r"fsdp='full_shard' is not supported: .*--processes-per"):
@@ -390,3 +396,141 @@ def test_a_field_hpsweep_does_not_know_is_one_line_that_never_shows_a_token(tmp_
     with pytest.raises(UserError) as info:
         hpsweep.Trainer(model_init=Net, args=hf_args)
     assert "push_to_hub_token=a token" in str(info.value) and token not in str(info.value)
+
+
+def labelled(n: int = 30) -> torch.utils.data.TensorDataset:
+    """``n`` samples whose label is the sign of their first feature."""
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def accuracy(p) -> dict[str, float]:
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+
+def evaluator(out: Path, compute_metrics, **fields: Any) -> hpsweep.Trainer:
+    """A Trainer over the same untrained model every time, evaluating `labelled` in batches of 8
+    (8, 8, 8 and 6 samples)."""
+    torch.manual_seed(0)
+    args = run_args(out, per_device_eval_batch_size=8, **fields)
+    return hpsweep.Trainer(
+        model=Net(), args=args, eval_dataset=labelled(), compute_metrics=compute_metrics
+    )
+
+
+def test_batch_eval_metrics_calls_compute_metrics_per_batch_and_reports_its_last_call(
+    tmp_path: Path,
+) -> None:
+    whole = evaluator(tmp_path / "whole", accuracy).evaluate()
+    calls, counts = [], {"right": 0, "all": 0}
+
+    def running_accuracy(p, compute_result: bool):
+        calls.append((type(p.predictions), len(p.label_ids), compute_result))
+        counts["right"] += int((p.predictions.argmax(-1) == p.label_ids).sum())
+        counts["all"] += len(p.label_ids)
+        if compute_result:
+            return {"accuracy": counts["right"] / counts["all"]}
+
+    trainer = evaluator(tmp_path / "batched", running_accuracy, batch_eval_metrics=True)
+    batched = trainer.evaluate()
+    # each batch's gathered tensors, as transformers hands them, the last one flagged
+    assert calls == [(torch.Tensor, 8, False)] * 3 + [(torch.Tensor, 6, True)]
+    assert batched["eval_accuracy"] == whole["eval_accuracy"]
+    assert batched["eval_loss"] == whole["eval_loss"]
+    assert trainer.state.log_history[-1]["eval_accuracy"] == whole["eval_accuracy"]
+    with pytest.raises(UserError, match=r"^batch_eval_metrics=True .*compute_result parameter"):
+        evaluator(tmp_path / "refused", accuracy, batch_eval_metrics=True)
+
+
+def test_eval_do_concat_batches_false_hands_over_one_array_per_batch(tmp_path: Path) -> None:
+    seen = []
+
+    def per_batch(p):
+        seen.append(p)
+        return {"batches": len(p.predictions)}
+
+    include = dict(include_for_metrics=["inputs", "loss"])
+    joined = evaluator(tmp_path / "joined", per_batch, **include)
+    joined.evaluate()
+    trainer = evaluator(tmp_path / "lists", per_batch, eval_do_concat_batches=False, **include)
+    assert trainer.evaluate()["eval_batches"] == 4
+    whole, lists = seen
+    for name in ("predictions", "label_ids", "inputs", "losses"):
+        parts = getattr(lists, name)
+        assert isinstance(parts, list) and [len(a) for a in parts] == [8, 8, 8, 6], name
+        assert (
+            torch.tensor(getattr(whole, name)) == torch.cat(list(map(torch.tensor, parts)))
+        ).all()
+    predicted = trainer.predict(labelled())
+    assert isinstance(predicted.predictions, list) and len(predicted.label_ids) == 4
+
+
+def test_eval_accumulation_steps_moves_predictions_in_groups_with_the_same_result(
+    tmp_path: Path,
+) -> None:
+    runs_ = [
+        evaluator(tmp_path / str(steps), accuracy, eval_accumulation_steps=steps)
+        for steps in (None, 3)
+    ]
+    (plain, grouped) = (trainer.evaluate() for trainer in runs_)
+    assert timeless(plain) == timeless(grouped)
+    predictions = [trainer.predict(labelled()).predictions for trainer in runs_]
+    assert predictions[0].shape == (30, 2) and (predictions[0] == predictions[1]).all()
+    with pytest.raises(UserError, match="^eval_accumulation_steps=0 must be > 0$"):
+        TrainingArguments(eval_accumulation_steps=0)
+
+
+def timeless(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.endswith(("_runtime", "_per_second"))}
+
+
+class IndexLogging(torch.utils.data.Dataset):
+    """`labelled` samples that append the index of each one read to ``read``."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.read = labelled(n), []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        self.read.append(i)
+        return self.data[i]
+
+
+def test_resume_from_checkpoint_in_the_arguments_and_ignore_data_skip(tmp_path: Path) -> None:
+    data = IndexLogging(32)  # 4 batches of 8 an epoch, read in order
+    steps = dict(num_train_epochs=2, train_sampling_strategy="sequential")
+    saving = dict(save_strategy="steps", save_steps=3)
+    full = hpsweep.Trainer(
+        model_init=Net, args=run_args(tmp_path / "full", **steps, **saving), train_dataset=data
+    )
+    full.train()
+    checkpoint = str(tmp_path / "full" / "checkpoint-3")  # three batches into the first epoch
+    weights = {}
+    for ignore in (False, True):
+        data.read.clear()
+        args = run_args(
+            tmp_path / str(ignore),
+            **steps,
+            resume_from_checkpoint=checkpoint,
+            ignore_data_skip=ignore,
+        )
+        resumed = hpsweep.Trainer(model_init=Net, args=args, train_dataset=data)
+        assert resumed.train().global_step == 8  # train() resumed from the arguments' checkpoint
+        weights[ignore] = resumed.model.linear.weight.detach()
+        if ignore:  # the first epoch again from its first batch
+            assert data.read[:32] == list(range(32))
+        else:  # on from the fourth batch, then the second epoch
+            assert data.read[:40] == list(range(24, 32)) + list(range(32))
+    assert torch.equal(weights[False], full.model.linear.weight.detach())  # the same run, resumed
+    assert not torch.equal(weights[True], weights[False])
+
+
+def test_a_single_train_with_push_to_hub_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    args = run_args(tmp_path / "out", push_to_hub=True, hub_model_id="me/model")
+    trainer = hpsweep.Trainer(model_init=Net, args=args, train_dataset=labelled())
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    assert "\n" not in str(info.value) and "PushToHubCallback" in str(info.value)
+    assert not (tmp_path / "out").exists()
