@@ -11,6 +11,7 @@ import os
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 from support import hpsweep_cli, slow_space, write_space
 from support.sweep_invariants import (
@@ -69,9 +70,13 @@ def test_interrupted_mid_trial_the_same_command_finishes(
     space, out, env = slow_space(tmp_path), tmp_path / "out", BACKENDS[backend]
     proc = start(*on(space, 3), env=env)
     assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
+    descendants = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(how)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == (130 if how == signal.SIGINT else -9), err
+    # whatever the command started (worker processes, its own Ray) goes with it, even on kill -9
+    _, left = psutil.wait_procs(descendants, timeout=30)
+    assert not left, [(p.pid, p.name()) for p in left]
     cut = [r for r in runs.read_trials(out) if r.state in ("running", "stopped")]
     assert len(cut) == 1
     before = finished_at(out)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 from support import RANK_LOG, USER_SCRIPT_PRELUDE, free_port, hpsweep_cli, rank_steps, write_space
 from support.ray_nodes import Cluster, ray_nodes, ray_sweep
@@ -280,49 +279,6 @@ def test_ctrl_c_then_the_same_command_finishes_the_sweep(cluster: Cluster, tmp_p
     rerun = hpsweep_cli(*cmd[3:], env=cluster.env)
     assert rerun.returncode == 0, rerun.stderr
     _assert_finished_exactly(out, 2, cut_short)
-
-
-def test_kill_9_of_the_command_leaves_no_ray_process_and_the_same_command_finishes(
-    tmp_path: Path,
-) -> None:
-    """Without --address the command starts its own Ray: a kill -9 of the command takes it along."""
-    space = write_space(tmp_path, epochs=3, model_init=SLOW_MODEL_INIT)
-    out = tmp_path / "out"
-    (tmp_path / "slow").touch()
-    cmd = [
-        sys.executable,
-        "-m",
-        "hpsweep.cli",
-        "run",
-        str(space),
-        "--backend",
-        "ray",
-        "--output-dir",
-        str(out),
-        "--n-trials",
-        "1",
-        "--sampler",
-        "random",
-    ]
-    env = {"RAY_ADDRESS": ""}
-    ray_processes: list[psutil.Process] = []
-
-    def kill_9(proc: subprocess.Popen) -> None:
-        ray_processes.extend(psutil.Process(proc.pid).children(recursive=True))
-        proc.kill()
-
-    _start_then_stop(cmd, env, out, kill_9)
-    assert any(p.name().startswith("ray::") for p in ray_processes)  # the trial's worker among them
-    _, alive = psutil.wait_procs(ray_processes, timeout=20)
-    assert not alive, [(p.pid, p.name()) for p in alive]
-    cut_short = _cut_short(out)
-    # nobody could say otherwise: the rerun finds its lease dead
-    assert cut_short.state == "running"
-
-    (tmp_path / "slow").unlink()
-    rerun = hpsweep_cli(*cmd[3:], env=env)
-    assert rerun.returncode == 0, rerun.stderr
-    _assert_finished_exactly(out, 1, cut_short)
 
 
 def test_a_failing_trial_is_recorded_and_another_runs_in_its_place(
