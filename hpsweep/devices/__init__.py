@@ -4,9 +4,10 @@
   (``--n-jobs``, ``--resources-per-trial``), planned before anything starts;
 - `hpsweep.devices.threads`: each trial's share of the CPU threads;
 - `hpsweep.devices.memory`: a trial's memory given back before the next one starts;
-- `hpsweep.devices.data_parallel`: one trial trained over ``--processes-per-trial`` processes.
+- `hpsweep.devices.data_parallel`: one trial trained over ``--processes-per-trial`` processes;
+- `hpsweep.devices.process_group`: the group those processes, or torchrun's, train in.
 
-The last two import torch; this package's face does not, so importing it costs nothing.
+`memory` and `data_parallel` import torch; this package's face does not, so importing it costs nothing.
 """
 
 from hpsweep.devices.placement import (

@@ -47,11 +47,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
+from hpsweep.devices.process_group import broadcast_flag, check_backend, timeout_s
 from hpsweep.devices.threads import threads_per_process
 from hpsweep.errors import UserError
 from hpsweep.trial import Trial
 
-TIMEOUT_ENV = "HPSWEEP_DIST_TIMEOUT_S"
 # how long stopped ranks get to leave (a checkpoint being written) before SIGKILL
 STOP_GRACE_S = 10.0
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -158,7 +158,7 @@ class _RankGroup:
             "threads": threads_per_process(self.n),
             "use_cpu": bool(args.use_cpu),
             "backend": args.ddp_backend,
-            "timeout_s": float(args.ddp_timeout) if args.ddp_timeout is not None else _timeout_s(),
+            "timeout_s": float(args.ddp_timeout) if args.ddp_timeout is not None else timeout_s(),
         }
         # Signals wait until each rank has its own handlers: none sees the terminal's Ctrl-C half set up.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -256,39 +256,6 @@ class _RankGroup:
         shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
-def check_backend(args: Any) -> None:
-    """``ddp_backend``, when given, one this torch has, and not NCCL on the CPU: else one line
-    before any process starts."""
-    import torch.distributed as dist
-
-    name = args.ddp_backend
-    if name is None:
-        return
-    if name == "nccl" and args.use_cpu:
-        raise UserError(
-            "ddp_backend='nccl' runs on GPUs and use_cpu=True trains on the CPU; use 'gloo' or leave "
-            "ddp_backend None"
-        )
-    if not dist.is_backend_available(name):
-        raise UserError(
-            f"ddp_backend={name!r} is not available in this torch build; leave ddp_backend None "
-            "(gloo on the CPU, nccl on GPUs) or install a torch built with it"
-        )
-
-
-def _timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV, "600")
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UserError(
-            f"{TIMEOUT_ENV}={text!r}: give the seconds a data-parallel process may wait for the others"
-        )
-    return value
-
-
 def _signal(proc: Any, signum: int) -> None:
     try:
         os.kill(proc.pid, signum)
@@ -319,16 +286,11 @@ class _RankTrial(Trial):
             self.conn.send(("report", step, dict(metrics), objective, checkpoint))
 
     def should_prune(self) -> bool:
-        import torch
-        import torch.distributed as dist
-        from accelerate.state import PartialState
-
-        flag = torch.zeros(1, dtype=torch.int32, device=PartialState().device)
+        answer = None
         if self.rank == 0:
             self.conn.send(("should_prune",))
-            flag += int(self.conn.recv())
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            answer = bool(self.conn.recv())
+        return broadcast_flag(answer)
 
 
 def _rank_main(

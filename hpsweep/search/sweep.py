@@ -9,6 +9,7 @@ W&B with a server) where their trials start; counting, leases and records are th
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from hpsweep.search.job import (
     report_to_callbacks,
     trial_arguments,
 )
+from hpsweep.search.launched import launched_rank, search_launched
 from hpsweep.search.space import validate_space
 from hpsweep.search.trial_runner import TrialRunner
 
@@ -164,12 +166,32 @@ def search(
         sweep_callbacks=sweep_callbacks,
         options=options,
     )
-    adopt_library_keywords(request)
-    settings, job, chosen = prepare(trainer, request)
-    best = run_sweep(chosen, job, settings, show_progress=show_progress)
+    rank = launched_rank(trainer.args)
+    if rank is None:
+        best = sweep_request(trainer, request, show_progress)
+    else:  # torchrun's processes: one sweep, each trial trained by all
+        best = search_launched(
+            rank,
+            trainer,
+            request,
+            functools.partial(sweep_request, trainer, request, show_progress),
+        )
     if isinstance(best, runs.BestRun):
         trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
     return best
+
+
+def sweep_request(
+    trainer: Any,
+    request: SearchRequest,
+    show_progress: bool,
+    make_runner: Callable[[SweepJob, SearchSettings], Any] | None = None,
+) -> Any:
+    """Check ``request``, run its sweep here and return the best run(s); ``make_runner`` makes
+    the `TrialRunner` that trains each trial."""
+    adopt_library_keywords(request)
+    settings, job, chosen = prepare(trainer, request)
+    return run_sweep(chosen, job, settings, show_progress=show_progress, make_runner=make_runner)
 
 
 def adopt_library_keywords(request: SearchRequest) -> None:
@@ -324,12 +346,19 @@ def check_objective(objective: Objective, directions: list[str]) -> None:
 
 
 def run_sweep(
-    chosen: Backend, job: SweepJob, settings: SearchSettings, *, show_progress: bool
+    chosen: Backend,
+    job: SweepJob,
+    settings: SearchSettings,
+    *,
+    show_progress: bool,
+    make_runner: Callable[[SweepJob, SearchSettings], Any] | None = None,
 ) -> Any:
     """Run the backend over the sweep's folder, with its progress and sweep callbacks around it;
     returns the best run(s). A refusal before any trial leaves no folder behind."""
     from hpsweep.search.loop import TrialLoop
 
+    # before the folder: a runner may refuse the settings
+    runner = (make_runner or _trial_runner)(job, settings)
     output_dir = settings.output_dir
     existed = open_output_dir(output_dir, settings.study_name)
     progress = None
@@ -351,7 +380,7 @@ def run_sweep(
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
-        chosen.run(TrialLoop(TrialRunner(job, settings.backend), settings, chosen.ledger()))
+        chosen.run(TrialLoop(runner, settings, chosen.ledger()))
         finished = True
     except UserError:
         if not existed and not runs.read_trials(output_dir):
@@ -375,6 +404,10 @@ def run_sweep(
             f"see the trial.json and error.log files in {output_dir}"
         )
     return best
+
+
+def _trial_runner(job: SweepJob, settings: SearchSettings) -> TrialRunner:
+    return TrialRunner(job, settings.backend)
 
 
 def settle_home(job: SweepJob) -> None:

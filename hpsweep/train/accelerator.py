@@ -1,7 +1,9 @@
 """The `accelerate.Accelerator` a run trains with: one per run, made from its arguments.
 
 accelerate keeps its state per process; a process that trains several runs one after another
-(a sweep's worker) resets it so that each run gets its own precision and accumulation.
+(a sweep's worker) resets it so that each run gets its own precision and accumulation. Processes
+that a launcher started together (``torchrun --nproc_per_node N``) train each run together, on
+the CPU too (`hpsweep.devices.process_group.join_launched`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from hpsweep.devices.process_group import join_launched
 from hpsweep.errors import UserError
 
 
@@ -17,14 +20,15 @@ def make_accelerator(args: Any) -> Any:
     ``gradient_accumulation_steps``, the ``ddp_*`` options); a precision the device cannot run is
     one `UserError`."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin
 
     _cache_accelerate_package_probes()
-    if PartialState().num_processes == 1:
-        # Each run may use a different precision; accelerate keeps a process-wide state.
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
+    join_launched(args)  # torchrun's processes train each run together
+    # Each run may use a different precision and accumulation; accelerate keeps a process-wide
+    # state (its process group, kept, is PartialState's).
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     # torch_compile: accelerate compiles the model in prepare, as transformers has it do
     dynamo = (
         TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)

@@ -170,7 +170,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     # schedule
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict | str | None = None  # e.g. {"num_cycles": 3}; a JSON string too
-    warmup_ratio: float = 0.0
+    warmup_ratio: float | None = 0.0  # None (transformers 5.0-5.14's default): 0.0
     # a value in (0, 1) is a ratio of the training steps, as in transformers 5
     warmup_steps: float = 0
     # evaluation, checkpoints and logging
@@ -328,6 +328,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
         """Fold Hugging Face's alternative names into ours; the alias then reads the same value."""
         if self.activation_checkpointing is None:
             self.activation_checkpointing = False
+        if self.warmup_ratio is None:
+            self.warmup_ratio = 0.0
         if self.evaluation_strategy is not None:
             self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
         for alias in ("disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs"):

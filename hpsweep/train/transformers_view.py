@@ -47,7 +47,7 @@ class TransformersView:
         """The ``torch.device`` this process trains on."""
         import torch
 
-        return torch.device("cpu") if self.use_cpu else _process_state().device
+        return torch.device("cpu") if self.use_cpu else _process_state(self).device
 
     @property
     def n_gpu(self) -> int:
@@ -58,15 +58,15 @@ class TransformersView:
     @property
     def world_size(self) -> int:
         """Processes training this run together (``--processes-per-trial``)."""
-        return _process_state().num_processes
+        return _process_state(self).num_processes
 
     @property
     def process_index(self) -> int:
-        return _process_state().process_index
+        return _process_state(self).process_index
 
     @property
     def local_process_index(self) -> int:
-        return _process_state().local_process_index
+        return _process_state(self).local_process_index
 
     @property
     def should_log(self) -> bool:
@@ -82,12 +82,17 @@ class TransformersView:
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
         """The main process (of this machine with ``local``) runs the block first, the others
         after it, as around a ``datasets.map`` whose cache they then read; ``desc`` is unused."""
-        state = _process_state()
+        state = _process_state(self)
         with state.local_main_process_first() if local else state.main_process_first():
             yield
 
 
-def _process_state() -> Any:
+def _process_state(args: Any) -> Any:
     from accelerate.state import PartialState
 
+    from hpsweep.devices.process_group import join_launched
+
+    # torchrun's processes, joined before anything reads them (accelerate alone would count
+    # one process on a machine without CUDA)
+    join_launched(args)
     return PartialState()

@@ -70,6 +70,13 @@ def test_transformers_names_mean_what_they_mean_there() -> None:
     assert args.replace(disable_progress=False).disable_tqdm is False
 
 
+def test_warmup_ratio_none_of_transformers_5_0_to_5_14_is_no_warmup() -> None:
+    # those releases default warmup_ratio to None (deprecated): a converted instance carries it
+    ours = TrainingArguments("out", warmup_ratio=None)
+    assert ours.warmup_ratio == 0.0 and ours.warmup_for(100) == 0
+    assert TrainingArguments("out", warmup_ratio=None, warmup_steps=0.1).warmup_for(100) == 10
+
+
 @pytest.mark.parametrize(
     "kwargs, needles",
     [
