@@ -34,9 +34,9 @@ _LOGS = (
 )
 _DDP = (
     "passed to DistributedDataParallel (accelerate's DistributedDataParallelKwargs) in a "
-    "--processes-per-trial trial"
+    "--processes-per-trial trial and under torchrun"
 )
-_GROUP = "the process group of a --processes-per-trial trial"
+_GROUP = "the process group of a --processes-per-trial trial, or of torchrun's processes"
 _DATALOADER = "only with dataloader_num_workers > 0, as in transformers"
 
 #: field -> (what happens, its transformers default, why / what to use). Fields of transformers 4
