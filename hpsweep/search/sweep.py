@@ -28,6 +28,7 @@ from hpsweep.search.checks import (
     normalise_directions,
 )
 from hpsweep.search.job import Objective, SweepCallback, SweepJob, report_to_callbacks
+from hpsweep.search.objective import describe_objective
 from hpsweep.search.space import validate_space
 from hpsweep.search.trial_runner import TrialRunner
 
@@ -157,19 +158,37 @@ def search(
         sweep_callbacks=sweep_callbacks,
         options=options,
     )
-    adopt_library_keywords(request)
+    adopt_directions(request)
+    note = adopt_library_keywords(request)
     settings, job, chosen = prepare(trainer, request)
+    if note:  # after the line naming the objective, which comes first
+        print(f"hpsweep: {note}", file=sys.stderr)
     best = run_sweep(chosen, job, settings, show_progress=show_progress)
     if isinstance(best, runs.BestRun):
         trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
     return best
 
 
-def adopt_library_keywords(request: SearchRequest) -> None:
-    """Read what transformers hands the backend's library (``tune.run``'s keywords, W&B's
-    ``project``) as hpsweep's own settings; what hpsweep's keywords say explicitly wins."""
-    if not request.options:
+def adopt_directions(request: SearchRequest) -> None:
+    """``directions=[...]``, the keyword Optuna's ``create_study`` takes and transformers' docs
+    show for a multi-objective search, is ``direction=[...]``."""
+    directions = request.options.pop("directions", None)
+    if directions is None:
         return
+    given = normalise_directions(request.direction)
+    if given != ["minimize"] and given != normalise_directions(directions):
+        raise UserError(
+            f"direction={request.direction!r} and directions={directions!r} disagree; give one of them"
+        )
+    request.direction = directions
+
+
+def adopt_library_keywords(request: SearchRequest) -> str | None:
+    """Read what transformers hands the backend's library (``tune.run``'s keywords, W&B's
+    ``project`` and ``metric``) as hpsweep's own settings; what hpsweep's keywords say explicitly
+    wins. Returns a note on those that change nothing, for after the objective's line."""
+    if not request.options:
+        return None
     request.options, theirs, note = transformers_keywords(request.backend, request.options)
     for name in ("sampler", "storage", "timeout"):
         if getattr(request, name) is None and name in theirs:
@@ -179,8 +198,23 @@ def adopt_library_keywords(request: SearchRequest) -> None:
     request.max_failed_trials = theirs.get("max_failed_trials", request.max_failed_trials)
     if request.study_name == "hpsweep":
         request.study_name = theirs.get("study_name", request.study_name)
-    if note:
-        print(f"hpsweep: {note}", file=sys.stderr)
+    if "objective" in theirs:
+        request.objective = metric_as_objective(theirs["objective"], request.objective)
+    return note
+
+
+def metric_as_objective(metric: str, objective: Objective | None) -> Objective | None:
+    """The objective a library's ``metric=`` names (W&B's ``eval/accuracy`` is hpsweep's
+    ``eval_accuracy``); one that disagrees with the objective given is refused."""
+    if metric == "objective":  # the name the objective itself is reported under
+        return objective
+    name = metric.replace("/", "_", 1) if metric.startswith("eval/") else metric
+    if objective is None or objective == name:
+        return name
+    raise UserError(
+        f"metric={metric!r} and the objective {describe_objective(objective)} disagree: a sweep "
+        "optimises one objective; drop metric= or the objective"
+    )
 
 
 def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, SweepJob, Backend]:

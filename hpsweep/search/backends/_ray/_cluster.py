@@ -37,6 +37,8 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
+#: Ray's switch for token authentication (see `_restore_auth_mode`).
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 # In --output-dir: a file per command, named by a token, by which a worker tells whether it sees the
 # driver's folder (one per command: two commands may share the folder).
 MARKER_PREFIX = ".hpsweep-ray-marker-"
@@ -82,6 +84,7 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         runtime_env={"env_vars": dict(WORKER_ENV)},
     )
     watchdog = None
+    auth_mode = os.environ.get(AUTH_MODE_ENV)
     if address is None:
         ray.init(
             address="local",
@@ -106,9 +109,33 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+        if address is None:
+            _restore_auth_mode(auth_mode)
         if watchdog is not None:
             watchdog.stdin.close()  # type: ignore[union-attr]  # the watchdog reaps what shutdown left
             watchdog.wait()
+
+
+def _restore_auth_mode(before: str | None) -> None:
+    """Undo what a local ``ray.init()`` leaves in the process. Ray 2.60 turns token
+    authentication on for a new local cluster (``RAY_AUTH_MODE=token`` in ``os.environ``, the
+    token cached in the process), and ``ray.shutdown()`` keeps both. A later
+    ``ray.init(address=...)`` in the same process, on a cluster without token authentication
+    (the next sweep, a Ray client server), then starts a driver whose RPC server wants a token
+    the cluster never sends: the cluster takes every actor the driver owns for unreferenced and
+    cancels it ("The actor never ran - it was cancelled before it started running"), and each
+    trial of that sweep fails."""
+    if os.environ.get(AUTH_MODE_ENV) == before:
+        return
+    if before is None:
+        os.environ.pop(AUTH_MODE_ENV, None)
+    else:
+        os.environ[AUTH_MODE_ENV] = before
+    with contextlib.suppress(Exception):  # refreshed as Ray's own token setup does
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 # Ray's local processes mostly die with the driver: the raylet and its workers at once, but its
