@@ -427,8 +427,9 @@ class RayBackend(Backend):
             name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
             f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path,
-            # a user's reporter prints Tune's table of trials (Tune's legacy output, hpsweep's default)
-            verbose=1 if self.reporter else 0,
+            # A user's reporter prints Tune's table of trials (Tune's legacy output, hpsweep's
+            # default), at the end at least: at 2, whatever verbosity the reporter was made under
+            verbose=2 if self.reporter else 0,
             stop=stopper,
             callbacks=[watch],
             failure_config=tune.FailureConfig(max_failures=self.max_failures),

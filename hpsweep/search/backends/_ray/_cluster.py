@@ -101,8 +101,11 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         except (
             Exception
         ) as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
+            # a half-made connection (a Ray Client one keeps its stub) would fail the next ray.init
+            with contextlib.suppress(Exception):
+                ray.shutdown()
             raise UserError(
-                f"--address {address}: cannot join the Ray cluster ({_first_line(exc)}); "
+                f"--address {address}: cannot join the Ray cluster ({_reason(exc)}); "
                 "check the address and that `ray status` works there"
             ) from None
     try:
@@ -264,9 +267,13 @@ def _current_cluster() -> str | None:
         return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _reason(exc: BaseException) -> str:
+    """An error in one line: its first, and its last when the first only announces it (a Ray
+    Client server's "Initialization failure from server:" and the traceback it sent)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0] if lines else type(exc).__name__
 
 
 def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
