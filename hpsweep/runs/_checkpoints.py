@@ -369,10 +369,10 @@ def read_checkpoint(
     import torch
 
     load_weights(model, folder)
-    saved = _in_one_group(
+    saved = _fit_groups(
         torch.load(folder / "optimizer.pt", weights_only=True),
         torch.load(folder / "scheduler.pt", weights_only=True),
-        len(optimizer.param_groups),
+        [len(g["params"]) for g in optimizer.param_groups],
     )
     optimizer.load_state_dict(saved[0])
     scheduler.load_state_dict(saved[1])
@@ -383,28 +383,35 @@ def read_checkpoint(
     )
 
 
-def _in_one_group(
-    optimizer: dict[str, Any], scheduler: dict[str, Any], groups: int
+def _fit_groups(
+    optimizer: dict[str, Any], scheduler: dict[str, Any], sizes: list[int]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fit a checkpoint of the two param groups hpsweep 0.1 always made (decay, no decay) to the
-    one group it makes without weight decay, so a sweep cut short before the upgrade resumes.
-    Two groups without decay hold the same settings, so the state carries over exactly."""
+    """Fit a checkpoint's param groups to the optimizer's (``sizes``: its groups' param counts)
+    when only their split differs. hpsweep makes one group without weight decay and two with it
+    (decay, no decay), over the params in the same order, so a checkpoint written with the other
+    split loads: one of hpsweep 0.1, which always made two, or a resume with another weight
+    decay (PBT's). Each group takes the settings of the saved group its first param was in (the
+    resume then sets the weight decay it is run with), and the schedule's per-group lists follow."""
     saved = optimizer["param_groups"]
-    if groups != 1 or len(saved) != 2 or any(g.get("weight_decay") for g in saved):
+    flat = [i for g in saved for i in g["params"]]
+    if len(saved) == len(sizes) or len(flat) != sum(sizes):
         return optimizer, scheduler
-    if {k: v for k, v in saved[0].items() if k != "params"} != {
-        k: v for k, v in saved[1].items() if k != "params"
-    }:
-        return optimizer, scheduler
-    optimizer = {
-        **optimizer,
-        "param_groups": [{**saved[0], "params": saved[0]["params"] + saved[1]["params"]}],
-    }
+    owner = {i: k for k, g in enumerate(saved) for i in g["params"]}
+    groups, start = [], 0
+    for size in sizes:
+        ids = flat[start : start + size]
+        start += size
+        groups.append({**saved[owner[ids[0]] if ids else 0], "params": ids})
+    sources = [owner[g["params"][0]] if g["params"] else 0 for g in groups]
     scheduler = {
-        k: v[:1] if k in ("base_lrs", "_last_lr", "lr_lambdas") and isinstance(v, list) else v
+        k: [v[j] for j in sources]
+        if k in ("base_lrs", "_last_lr", "lr_lambdas")
+        and isinstance(v, list)
+        and len(v) == len(saved)
+        else v
         for k, v in scheduler.items()
     }
-    return optimizer, scheduler
+    return {**optimizer, "param_groups": groups}, scheduler
 
 
 def rng_state() -> dict[str, Any]:

@@ -82,22 +82,29 @@ class SweepJob:
         return self.objective if isinstance(self.objective, str) else function_name(self.objective)
 
     def objective_value(self, metrics: Mapping[str, float]) -> float | list[float]:
-        if isinstance(self.objective, str):
-            return metric_value(metrics, self.objective)
-        value = self.objective(metrics)
-        if len(self.directions) > 1:
-            if not isinstance(value, Sequence) or len(value) != len(self.directions):
-                raise UserError(
-                    f"objective returned {value!r} for {len(self.directions)} directions; "
-                    f"return a sequence of {len(self.directions)} floats"
-                )
-            return [float(v) for v in value]
-        try:
-            return float(value)
-        except (TypeError, ValueError):
+        return objective_value(self.objective, self.directions, metrics)
+
+
+def objective_value(
+    objective: Objective, directions: Sequence[str], metrics: Mapping[str, float]
+) -> float | list[float]:
+    """The value(s) ``objective`` gives an evaluation's ``metrics``, one per direction."""
+    if isinstance(objective, str):
+        return metric_value(metrics, objective)
+    value = objective(metrics)
+    if len(directions) > 1:
+        if not isinstance(value, Sequence) or len(value) != len(directions):
             raise UserError(
-                f"objective returned {value!r}; return one float (or a list for several directions)"
-            ) from None
+                f"objective returned {value!r} for {len(directions)} directions; "
+                f"return a sequence of {len(directions)} floats"
+            )
+        return [float(v) for v in value]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UserError(
+            f"objective returned {value!r}; return one float (or a list for several directions)"
+        ) from None
 
 
 #: transformers' ``report_to`` names that hpsweep tracks a sweep for, as sweep callbacks:

@@ -3,12 +3,15 @@
 Without an objective the rule is transformers' ``default_compute_objective``: the evaluation loss
 when there is no ``compute_metrics``, else the sum of the other evaluation metrics. Maximising the
 loss is refused, and the sweep says on stdout what it optimises before the first trial, e.g.
-``hpsweep: optimising eval_accuracy (maximize)``.
+``hpsweep: optimising eval_accuracy (maximize)``; minimising what looks like a score (accuracy,
+f1, ...: `score_like`) is said on that same line, with the fix.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +19,15 @@ from hpsweep.errors import UserError
 from hpsweep.train.metrics import SPEED_SUFFIXES
 
 _NOT_METRICS = ("eval_loss", "epoch", "step")
+#: Words of metric names where higher is better (``eval_accuracy``, ``eval_f1_macro``, ``rougeL``),
+#: and words that make a name a loss or an error however it goes on (``eval_accuracy_loss``).
+SCORE_WORDS = frozenset(
+    "accuracy acc f1 precision recall auc roc bleu sacrebleu rouge exact em matthews mcc "
+    "pearson pearsonr spearman spearmanr r2 iou dice meteor chrf".split()
+)
+SCORE_PREFIXES = ("rouge", "bleu", "f1", "top1", "top5")
+LOSS_WORDS = frozenset("loss error errors mse mae rmse wer cer perplexity ppl nll".split())
+_NAME = re.compile(r"[A-Za-z][\w./-]*")
 
 
 class DefaultObjective:
@@ -105,10 +117,63 @@ def resolve_objective(
                 "direction='minimize', or give compute_metrics and an objective such as 'eval_accuracy'"
             )
     # stdout, with the summary of the best run at the end: stderr stays one line when a user error follows
-    print(
-        f"hpsweep: optimising {describe_objective(objective)} ({', '.join(directions)})", flush=True
-    )
+    line = f"hpsweep: optimising {describe_objective(objective)} ({', '.join(directions)})"
+    scores = minimised_scores(objective, directions, compute_metrics)
+    if scores:
+        line += (
+            f"; warning: {', '.join(scores)} look{'s' * (len(scores) == 1)} like a score (higher is "
+            'better), and minimising it looks for the worst model: pass direction="maximize"'
+        )
+    print(line, flush=True)
     return objective
+
+
+def minimised_scores(
+    objective: Any, directions: Sequence[str], compute_metrics: Callable[..., Any] | None
+) -> list[str]:
+    """The metrics that look like scores (`score_like`) in a single objective that is minimised:
+    its name, or the names its function (or, for Hugging Face's default sum, ``compute_metrics``)
+    spells out in its code, as ``{"accuracy": ...}`` or ``metrics["eval_f1"]``."""
+    if list(directions) != ["minimize"]:
+        return []
+    if isinstance(objective, str):
+        names = [objective]
+    else:
+        source = compute_metrics if isinstance(objective, DefaultObjective) else objective
+        names = sorted(_names_in_code(source))
+    return [name for name in names if score_like(name)]
+
+
+def score_like(name: str) -> bool:
+    """Whether a metric's name says higher is better.
+
+    >>> [score_like(n) for n in ("eval_accuracy", "eval_f1_macro", "rougeL", "eval_loss", "mse")]
+    [True, True, True, False, False]
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    if any(w in LOSS_WORDS for w in words):
+        return False
+    return any(w in SCORE_WORDS or w.startswith(SCORE_PREFIXES) for w in words)
+
+
+def _names_in_code(fn: Any) -> set[str]:
+    """The name-like strings a function (a callable object's ``__call__``, a partial's function)
+    holds in its code, nested functions included; docstrings and messages have spaces."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    # a callable object's method, from its class or a base
+    call = next((vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c)), None)
+    code = getattr(fn, "__code__", None) or getattr(call, "__code__", None)
+    found: set[str] = set()
+    pending = [code] if code is not None else []
+    while pending:
+        for const in pending.pop().co_consts:
+            if hasattr(const, "co_consts"):
+                pending.append(const)
+                continue
+            values = const if isinstance(const, (tuple, frozenset)) else (const,)
+            found.update(v for v in values if isinstance(v, str) and _NAME.fullmatch(v))
+    return found
 
 
 def function_name(objective: Any) -> str:

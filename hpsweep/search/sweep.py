@@ -37,6 +37,7 @@ from hpsweep.search.job import (
     trial_arguments,
 )
 from hpsweep.search.launched import launched_rank, search_launched
+from hpsweep.search.objective import describe_objective
 from hpsweep.search.space import validate_space
 from hpsweep.search.trial_runner import TrialRunner
 
@@ -166,6 +167,7 @@ def search(
         sweep_callbacks=sweep_callbacks,
         options=options,
     )
+    adopt_directions(request)
     rank = launched_rank(trainer.args)
     if rank is None:
         best = sweep_request(trainer, request, show_progress)
@@ -189,16 +191,33 @@ def sweep_request(
 ) -> Any:
     """Check ``request``, run its sweep here and return the best run(s); ``make_runner`` makes
     the `TrialRunner` that trains each trial."""
-    adopt_library_keywords(request)
+    note = adopt_library_keywords(request)
     settings, job, chosen = prepare(trainer, request)
+    if note:  # after the line naming the objective, which comes first
+        print(f"hpsweep: {note}", file=sys.stderr)
     return run_sweep(chosen, job, settings, show_progress=show_progress, make_runner=make_runner)
 
 
-def adopt_library_keywords(request: SearchRequest) -> None:
-    """Read what transformers hands the backend's library (``tune.run``'s keywords, W&B's
-    ``project``) as hpsweep's own settings; what hpsweep's keywords say explicitly wins."""
-    if not request.options:
+def adopt_directions(request: SearchRequest) -> None:
+    """``directions=[...]``, the keyword Optuna's ``create_study`` takes and transformers' docs
+    show for a multi-objective search, is ``direction=[...]``."""
+    directions = request.options.pop("directions", None)
+    if directions is None:
         return
+    given = normalise_directions(request.direction)
+    if given != ["minimize"] and given != normalise_directions(directions):
+        raise UserError(
+            f"direction={request.direction!r} and directions={directions!r} disagree; give one of them"
+        )
+    request.direction = directions
+
+
+def adopt_library_keywords(request: SearchRequest) -> str | None:
+    """Read what transformers hands the backend's library (``tune.run``'s keywords, W&B's
+    ``project`` and ``metric``) as hpsweep's own settings; what hpsweep's keywords say explicitly
+    wins. Returns a note on those that change nothing, for after the objective's line."""
+    if not request.options:
+        return None
     request.options, theirs, note = transformers_keywords(request.backend, request.options)
     for name in ("sampler", "storage", "timeout"):
         if getattr(request, name) is None and name in theirs:
@@ -208,8 +227,23 @@ def adopt_library_keywords(request: SearchRequest) -> None:
     request.max_failed_trials = theirs.get("max_failed_trials", request.max_failed_trials)
     if request.study_name == "hpsweep":
         request.study_name = theirs.get("study_name", request.study_name)
-    if note:
-        print(f"hpsweep: {note}", file=sys.stderr)
+    if "objective" in theirs:
+        request.objective = metric_as_objective(theirs["objective"], request.objective)
+    return note
+
+
+def metric_as_objective(metric: str, objective: Objective | None) -> Objective | None:
+    """The objective a library's ``metric=`` names (W&B's ``eval/accuracy`` is hpsweep's
+    ``eval_accuracy``); one that disagrees with the objective given is refused."""
+    if metric == "objective":  # the name the objective itself is reported under
+        return objective
+    name = metric.replace("/", "_", 1) if metric.startswith("eval/") else metric
+    if objective is None or objective == name:
+        return name
+    raise UserError(
+        f"metric={metric!r} and the objective {describe_objective(objective)} disagree: a sweep "
+        "optimises one objective; drop metric= or the objective"
+    )
 
 
 def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, SweepJob, Backend]:

@@ -130,7 +130,35 @@ class Checkpointing:
         ):
             setattr(self.state, name, getattr(saved, name))
         self._handler.load_state_dicts(saved.callbacks)
+        self._take_new_arguments(runs.read_json(folder / "training_args.json"))
         return rng_state
+
+    def _take_new_arguments(self, before: dict[str, Any]) -> None:
+        """A run resumed with another learning rate or weight decay than its checkpoint's (Ray
+        Tune's PBT goes on from another trial's checkpoint with mutated ones, which is what its
+        users ask of it): the new ones reach the optimizer and its schedule, which the
+        checkpoint's state would otherwise bring back. (A new batch size goes on from the
+        checkpoint's step, as in transformers: the steps of the new size count the epochs.) A
+        resume with the arguments the checkpoint was written with is left as it is, bit for bit."""
+        args, optimizer = self.args, self.optimizer
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        old_lr = before.get("learning_rate")
+        if old_lr and args.learning_rate != old_lr:
+            ratio = args.learning_rate / old_lr
+            for group in optimizer.param_groups:
+                for key in ("lr", "initial_lr"):
+                    if key in group:
+                        group[key] *= ratio
+            for key in ("base_lrs", "_last_lr"):
+                if getattr(scheduler, key, None) is not None:
+                    setattr(scheduler, key, [lr * ratio for lr in getattr(scheduler, key)])
+        if before.get("weight_decay", args.weight_decay) != args.weight_decay:
+            model = bare_model(self.model_wrapped)
+            decay = set(self.get_decay_parameter_names(model))
+            ids = {id(p) for name, p in model.named_parameters() if name in decay}
+            for group in optimizer.param_groups:
+                if any(id(p) in ids for p in group["params"]):
+                    group["weight_decay"] = args.weight_decay
 
 
 def _best_weights(best: runs.BestRun) -> Path | None:

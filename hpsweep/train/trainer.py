@@ -402,7 +402,9 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``.
 
         transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
-        Optuna), and so does its first positional parameter, ``hp_space``."""
+        Optuna, ``directions=[...]`` as its docs write it), and so does its first positional
+        parameter, ``hp_space``; so do those it hands each backend's library (the README's
+        "Coming from Hugging Face's Trainer")."""
         from hpsweep.search.sweep import search
 
         if callable(space) and hp_space is None:  # transformers' first parameter is hp_space

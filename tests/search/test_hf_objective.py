@@ -122,6 +122,53 @@ def test_transformers_optuna_keywords_are_taken_as_create_study_and_optimize_tak
     assert len(runs.read_trials(tmp_path / "out")) == 3
 
 
+def squared_errors(p: hpsweep.EvalPrediction) -> dict:
+    wrong = p.predictions.argmax(-1) != p.label_ids
+    return {"mse": float(wrong.mean()), "errors": float(wrong.sum())}
+
+
+@pytest.mark.parametrize(
+    ("compute_metrics", "keywords", "scores"),
+    [
+        # transformers' default objective, the sum of compute_metrics', with its default direction
+        (two_metrics, {}, "accuracy looks"),
+        (two_metrics, {"objective": "eval_accuracy"}, "eval_accuracy looks"),
+        (two_metrics, {"compute_objective": lambda m: m["eval_accuracy"]}, "eval_accuracy looks"),
+    ],
+)
+def test_minimising_what_looks_like_a_score_says_so_first_with_the_fix(
+    tmp_path: Path, capsys, compute_metrics, keywords: dict, scores: str
+) -> None:
+    trainer(tmp_path, compute_metrics=compute_metrics).hyperparameter_search(
+        space=SPACE, n_trials=1, show_progress=False, **keywords
+    )
+    printed = capsys.readouterr()
+    first = printed.out.splitlines()[0]
+    assert first.startswith("hpsweep: optimising ") and "(minimize); warning: " in first, first
+    assert f"{scores} like a score" in first and 'pass direction="maximize"' in first
+    assert "warning" not in printed.err
+
+
+@pytest.mark.parametrize(
+    ("compute_metrics", "keywords"),
+    [
+        (None, {}),  # eval_loss
+        (squared_errors, {}),  # the sum of errors
+        (squared_errors, {"objective": "eval_mse"}),
+        (two_metrics, {"direction": "maximize"}),
+    ],
+)
+def test_minimising_a_loss_or_maximising_a_score_says_nothing_more(
+    tmp_path: Path, capsys, compute_metrics, keywords: dict
+) -> None:
+    trainer(tmp_path, compute_metrics=compute_metrics).hyperparameter_search(
+        space=SPACE, n_trials=1, show_progress=False, **keywords
+    )
+    printed = capsys.readouterr()
+    assert printed.out.startswith("hpsweep: optimising ")
+    assert "warning" not in printed.out + printed.err
+
+
 def test_maximising_the_eval_loss_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     for objective in (None, "eval_loss"):
         with pytest.raises(

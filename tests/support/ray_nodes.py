@@ -39,6 +39,8 @@ class Cluster:
     #: the nodes' temp dir and environment, for a node that joins later (`joined_node`)
     temp: str = ""
     nodes_env: dict[str, str] = field(default_factory=dict)
+    #: the head's Ray client server, ``ray://127.0.0.1:PORT``
+    client_address: str = ""
 
 
 def stop_processes_under(marker: str) -> None:
@@ -101,7 +103,7 @@ def ray_nodes(
     environment and the cluster's, ``worker_env`` to the worker nodes' (their Ray workers inherit
     both), and ``worker_args`` to their ``ray start``; the worker nodes see ``hidden`` empty."""
     temp = tempfile.mkdtemp(prefix="hpr", dir="/tmp")  # short: Ray's Unix sockets live under it
-    port = free_port()
+    port, client_port = free_port(), free_port()  # not Ray's 10001: clusters of tests side by side
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     if token:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
@@ -126,6 +128,8 @@ def ray_nodes(
                 temp,
                 "--num-cpus",
                 str(head_cpus),
+                "--ray-client-server-port",
+                str(client_port),
                 *common,
             ],
             nodes_env,
@@ -138,7 +142,7 @@ def ray_nodes(
                 temp,
                 hidden,
             )
-        yield Cluster(f"127.0.0.1:{port}", env, temp, nodes_env)
+        yield Cluster(f"127.0.0.1:{port}", env, temp, nodes_env, f"ray://127.0.0.1:{client_port}")
     finally:
         stop_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)

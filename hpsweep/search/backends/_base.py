@@ -150,7 +150,8 @@ class Backend:
         """The keywords transformers hands this backend's library, which its users pass to
         ``hyperparameter_search``, as hpsweep's: the options left, the search settings they stand
         for (``sampler``, ``storage``, ``timeout``, ``n_jobs``, ``max_failed_trials``,
-        ``study_name``) and a note on those ignored. Read before the settings are made."""
+        ``study_name``, ``objective``: the metric the sweep optimises) and a note on those
+        ignored. Read before the settings are made."""
         return options, {}, None
 
     def _takes_object(self, what: str, value: Any) -> bool:

@@ -239,15 +239,14 @@ class WandbBackend(Backend):
         options: dict[str, Any],
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """transformers' W&B users name the project (here: the study's name, which is the sweep's
-        W&B project) and the metric W&B reads (hpsweep reports the objective it optimises)."""
+        W&B project) and the metric the sweep optimises (``eval/accuracy``: the objective
+        ``eval_accuracy``)."""
         left = dict(options)
         project, metric = left.pop("project", None), left.pop("metric", None)
-        note = (
-            f"metric={metric!r}: the sweep reports the objective it optimises to W&B; ignored"
-            if metric is not None
-            else None
-        )
-        return left, {"study_name": str(project)} if project else {}, note
+        theirs: dict[str, Any] = {"study_name": str(project)} if project else {}
+        if metric is not None:
+            theirs["objective"] = str(metric)
+        return left, theirs, None
 
     def __init__(self, settings: SearchSettings) -> None:
         # a W&B sweep config, as Hugging Face users write hp_space
@@ -357,6 +356,7 @@ class WandbBackend(Backend):
             mode=mode,
             dir=str(s.output_dir),
             project=s.study_name,
+            entity=s.options.get("entity"),  # where `wandb sync` uploads the run
             group=s.study_name,
             name=f"run-{number}",
             config=params,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support import RANK_LOG, USER_SCRIPT_PRELUDE, free_port, hpsweep_cli, rank_steps, write_space
+from support import RANK_LOG, free_port, hpsweep_cli, rank_steps, write_space
 from support.ray_nodes import Cluster, ray_nodes, ray_sweep
 from support.sweep_invariants import violations
 
@@ -647,84 +647,11 @@ def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Pa
                 p.unlink()
 
 
-# Ray's own Hugging Face example (ray/tune/examples/pbt_transformers), as its users adapt it: the
-# keywords transformers passes on to tune.run, and a PopulationBasedTraining of their own on
-# eval_acc. Only the Trainer / TrainingArguments import differs.
-RAY_HF_EXAMPLE = (
-    USER_SCRIPT_PRELUDE
-    + """
-from ray import tune
-from ray.tune import CLIReporter
-from ray.tune.schedulers import PopulationBasedTraining
-
-def compute_metrics(p):
-    return {"acc": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}
-
-training_args = TrainingArguments(output_dir=sys.argv[1], eval_strategy="epoch", save_strategy="epoch",
-                                  disable_tqdm=True, report_to="none")
-trainer = Trainer(model_init=lambda: Net(), args=training_args, train_dataset=rows(96, 1),
-                  eval_dataset=rows(48, 2), compute_metrics=compute_metrics)
-tune_config = {"per_device_train_batch_size": 16, "per_device_eval_batch_size": 32,
-               "num_train_epochs": tune.choice([2, 3]), "max_steps": -1}
-scheduler = PopulationBasedTraining(time_attr="training_iteration", metric="eval_acc", mode="max",
-                                    perturbation_interval=1,
-                                    hyperparam_mutations={"weight_decay": tune.uniform(0.0, 0.3),
-                                                          "learning_rate": tune.uniform(1e-2, 5e-2)})
-reporter = CLIReporter(parameter_columns={"weight_decay": "w_decay", "learning_rate": "lr"},
-                       metric_columns=["eval_acc", "eval_loss", "epoch", "training_iteration"])
-best = trainer.hyperparameter_search(
-    hp_space=lambda _: tune_config, backend="ray", n_trials=3, direction="maximize",
-    resources_per_trial={"cpu": 1, "gpu": 0}, scheduler=scheduler, keep_checkpoints_num=1,
-    checkpoint_score_attr="training_iteration", stop=None, progress_reporter=reporter,
-    local_dir=sys.argv[2], name="tune_transformer_pbt", log_to_file=True)
-print("BEST", json.dumps({"objective": best.objective, "hyperparameters": best.hyperparameters}))
-"""
-)
-
-
-def test_rays_hugging_face_example_runs_with_its_tune_run_keywords_and_its_own_pbt(
-    tmp_path: Path,
-) -> None:
-    script = tmp_path / "pbt_transformers.py"
-    script.write_text(RAY_HF_EXAMPLE)
-    out, ray_results = tmp_path / "out", tmp_path / "ray_results"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(out), str(ray_results)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # The keywords that shape only Tune's own bookkeeping and output are named in one line.
-    assert (
-        "hpsweep: keep_checkpoints_num, checkpoint_score_attr, progress_reporter, log_to_file: Tune's own"
-        in proc.stderr
-    ), proc.stderr[-3000:]
-
-    records = runs.read_trials(out)
-    assert len(records) == 3 and all(r.state == "complete" for r in records), [
-        (r.state, r.error) for r in records
-    ]
-    for r in records:  # PBT's mutations reached each trial's arguments, as transformers passes them
-        args = runs.read_json(runs.latest_checkpoint(Path(r.run_dir)) / "training_args.json")
-        assert {"weight_decay", "learning_rate", "num_train_epochs"} <= set(r.params)
-        assert (
-            args["weight_decay"] == r.params["weight_decay"]
-            and args["learning_rate"] == r.params["learning_rate"]
-        )
-    # local_dir (Ray 2.60's tune.run refuses it for storage_path) and name: where Tune keeps its own files
-    experiments = [p.name for p in ray_results.iterdir()]
-    assert experiments and all(name.startswith("tune_transformer_pbt-") for name in experiments), (
-        experiments
-    )
-    best = json.loads(proc.stdout.split("BEST ", 1)[1])
-    assert best["objective"] == max(r.objective for r in records)
-
-
-def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_path: Path) -> None:
+def test_tune_run_keywords_map_to_hpsweeps_settings(tmp_path: Path) -> None:
+    """Ray's Hugging Face example in Ray's own terms (tests/train/test_hf_search.py runs it)."""
     import datetime
 
+    from ray.tune import CheckpointConfig
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from hpsweep import UserError
@@ -743,7 +670,9 @@ def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_pa
             "mode": "max",
             "name": "exp",
             "reuse_actors": False,
-            "stop": None,
+            "stop": {"training_iteration": 3},
+            "keep_checkpoints_num": 3,
+            "checkpoint_score_attr": "min-eval_loss",
         }
     )
     assert settings == {
@@ -753,11 +682,21 @@ def test_tune_run_keywords_map_to_hpsweeps_settings_and_a_stop_is_refused(tmp_pa
         "n_jobs": 2,
         "max_failed_trials": 1,
     }
-    assert left == {"name": "exp", "reuse_actors": False} and note.startswith(
-        "verbose, metric, mode: Tune's own"
-    )
-    with pytest.raises(UserError, match="set max_steps"):
-        tune_run_keywords({"stop": {"training_iteration": 1}})
+    assert left == {
+        "name": "exp",
+        "reuse_actors": False,
+        "stop": {"training_iteration": 3},
+        "checkpoint_config": {
+            "num_to_keep": 3,
+            "score_attribute": "eval_loss",
+            "score_order": "min",
+        },
+    }
+    assert note.startswith("verbose, metric, mode: Tune's own")
+    left, _, note = tune_run_keywords({"checkpoint_config": CheckpointConfig(num_to_keep=1)})
+    assert left["checkpoint_config"]["num_to_keep"] == 1 and note is None
+    with pytest.raises(UserError, match="set save_strategy"):
+        tune_run_keywords({"checkpoint_config": CheckpointConfig(checkpoint_at_end=True)})
 
 
 def test_a_users_pbt_that_mutates_the_model_is_refused_before_ray_starts(tmp_path: Path) -> None:

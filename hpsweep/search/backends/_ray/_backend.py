@@ -51,6 +51,7 @@ import dataclasses
 import math
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,13 @@ from hpsweep.search.backends._ray._search import (
     tune_space,
     worst_of,
 )
-from hpsweep.search.backends._ray._stopping import PlacementWatch, StopOnUserError, StopSignals
+from hpsweep.search.backends._ray._stopping import (
+    PlacementWatch,
+    StopOnUserError,
+    StopSignals,
+    StopWhen,
+    trial_stop_rule,
+)
 from hpsweep.search.backends._ray._trial import (
     AGAIN_KEY,
     METRIC,
@@ -120,9 +127,12 @@ class RayBackend(Backend):
     Options (``hyperparameter_search(backend="ray", ...)``): ``max_failures`` (Tune's retries of a
     trial whose worker died, default 1), ``reuse_actors`` (default True), ``max_t`` (evaluations per
     trial for ASHA/HyperBand), ``reduction_factor``, ``perturbation_interval`` (PBT, in
-    evaluations), ``storage`` (Ray's storage path or URI), ``name`` (the Tune experiments' name).
-    ``scheduler=`` / ``sampler=`` (``search_alg=``) take Tune's own objects too, and transformers'
-    other ``tune.run`` keywords are read by `._search.tune_run_keywords`.
+    evaluations), ``storage`` (Ray's storage path or URI), ``name`` (the Tune experiments' name),
+    ``checkpoint_config`` (how many of each trial's checkpoints Tune keeps, by which score),
+    ``progress_reporter`` (Tune's table of trials, such as a ``CLIReporter``) and ``stop`` (when a
+    trial ends, as Tune's ``stop=``: `._stopping.StopWhen`). ``scheduler=`` / ``sampler=``
+    (``search_alg=``) take Tune's own objects too, and transformers' other ``tune.run`` keywords
+    are read by `._search.tune_run_keywords`.
     """
 
     name = "ray"
@@ -142,6 +152,9 @@ class RayBackend(Backend):
         "perturbation_interval",
         "storage",
         "name",
+        "checkpoint_config",
+        "progress_reporter",
+        "stop",
     )
 
     def __init__(self, settings: SearchSettings) -> None:
@@ -156,6 +169,16 @@ class RayBackend(Backend):
         # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
         # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
+        self.stop_rule = trial_stop_rule(settings.options.get("stop"))
+        self.reporter = _progress_reporter(settings.options.get("progress_reporter"))
+        self.num_to_keep = self._checkpoints_kept(settings.options.get("checkpoint_config") or {})
+        if self.scheduler_name == "pbt" and settings.n_jobs == 1:
+            print(
+                "hpsweep: PopulationBasedTraining compares trials that train side by side, and "
+                "n_jobs=1 trains one at a time, so no trial takes over another's checkpoint; give "
+                "n_jobs=N (or max_concurrent_trials=N) for a population of N",
+                file=sys.stderr,
+            )
 
     def _choose_search(self, settings: SearchSettings) -> None:
         """Tune's scheduler and search algorithm: objects given as they are (a copy per round),
@@ -204,6 +227,23 @@ class RayBackend(Backend):
                 "--scheduler pbt mutates a `space` dict (or an hp_space of Ray Tune domains); "
                 "declare `space` instead of a define-by-run hp_space"
             )
+
+    def _checkpoints_kept(self, kept: dict[str, Any]) -> int | None:
+        """How many of each trial's checkpoints Tune keeps: 2, or the user's ``num_to_keep``;
+        all under PBT, which restores a trial from the checkpoint another trial saved some time
+        before (with ``num_to_keep=1``, transformers' PBT loses it and the trial fails)."""
+        wanted = kept.get("num_to_keep")
+        if wanted is not None and (not isinstance(wanted, int) or wanted < 1):
+            raise UserError(f"checkpoint_config num_to_keep={wanted!r}: give a count of 1 or more")
+        if self.scheduler_name != "pbt":
+            return wanted or 2
+        if wanted is not None:
+            print(
+                f"hpsweep: num_to_keep={wanted}: PopulationBasedTraining restores trials from "
+                "checkpoints other trials saved earlier, so Tune keeps every checkpoint under PBT",
+                file=sys.stderr,
+            )
+        return None
 
     # --- running ------------------------------------------------------------------------------------
 
@@ -256,18 +296,24 @@ class RayBackend(Backend):
 
     def _runner(self, runner: Any) -> Any:
         """The trial runner the workers get: with a Tune-domain hp_space, Tune samples the params
-        (the runner must not call hp_space again), and their names must fit the arguments first."""
-        if self.native is None:
+        (the runner must not call hp_space again), and their names must fit the arguments first;
+        with ``stop=``, each trial asks it after each evaluation (`StopWhen`)."""
+        job, changes = runner.job, {}
+        if self.native is not None:
+            apply_params(
+                job.args,
+                {n: None for n in self.native if n not in field_types(type(job.args))},
+                model_takes_trial=job.model_takes_trial,
+                source="hp_space",
+            )
+            changes["hp_space"] = None
+        if self.stop_rule is not None:
+            stop = StopWhen(self.stop_rule, job.objective, job.directions)
+            changes["callbacks"] = [*job.callbacks, stop]
+        if not changes:
             return runner
-        job = runner.job
-        apply_params(
-            job.args,
-            {n: None for n in self.native if n not in field_types(type(job.args))},
-            model_takes_trial=job.model_takes_trial,
-            source="hp_space",
-        )
         runner = copy.copy(runner)
-        runner.job = dataclasses.replace(job, hp_space=None)
+        runner.job = dataclasses.replace(job, **changes)
         return runner
 
     def _next_round(
@@ -376,20 +422,28 @@ class RayBackend(Backend):
 
     def _run_config(self, stopper: StopOnUserError, watch: PlacementWatch) -> tune.RunConfig:
         s = self.settings
-        # Tune's copies of the checkpoints: 2 a trial, except under PBT, which restores a trial from
-        # another's checkpoint some time after choosing it; by then that trial may have saved two
-        # more and Tune deleted the one chosen (a trial failed so in CI; Ray warns of num_to_keep <= 2).
-        keep = None if self.scheduler_name == "pbt" else 2
+        kept = s.options.get("checkpoint_config") or {}
         return tune.RunConfig(
             name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
             f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path,
-            verbose=0,
+            # A user's reporter prints Tune's table of trials (Tune's legacy output, hpsweep's
+            # default), at the end at least: at 2, whatever verbosity the reporter was made under
+            verbose=2 if self.reporter else 0,
             stop=stopper,
             callbacks=[watch],
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
-            progress_reporter=None,
+            # Tune's copies of each trial's checkpoints (see _checkpoints_kept); the latest is always
+            # kept. Under PBT a trial restores from a checkpoint another trial saved some time
+            # before; by then that trial may have saved more (Ray warns of num_to_keep <= 2).
+            checkpoint_config=tune.CheckpointConfig(
+                num_to_keep=self.num_to_keep,
+                checkpoint_score_attribute=kept.get("score_attribute")
+                if self.num_to_keep
+                else None,
+                checkpoint_score_order=kept.get("score_order") or "max",
+            ),
+            progress_reporter=self.reporter,
             log_to_file=False,
         )
 
@@ -482,6 +536,19 @@ class RayBackend(Backend):
             ledger.fail_unrecorded(
                 t.trial_id, error=error, template=template, number=number_in_name(str(t))
             )
+
+
+def _progress_reporter(reporter: Any) -> Any:
+    """A user's Tune progress reporter (``CLIReporter(parameter_columns=..., metric_columns=...)``,
+    as Ray's Hugging Face example passes it), checked."""
+    from ray.tune import ProgressReporter
+
+    if reporter is None or isinstance(reporter, ProgressReporter):
+        return reporter
+    raise UserError(
+        f"progress_reporter={reporter!r}: give a ray.tune.CLIReporter (or another "
+        "tune.ProgressReporter)"
+    )
 
 
 def _tune_error(tune_trial: Any) -> str:

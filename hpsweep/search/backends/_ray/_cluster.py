@@ -37,6 +37,8 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
+#: Ray's switch for token authentication (see `_restore_auth_mode`).
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 # In --output-dir: a file per command, named by a token, by which a worker tells whether it sees the
 # driver's folder (one per command: two commands may share the folder).
 MARKER_PREFIX = ".hpsweep-ray-marker-"
@@ -82,6 +84,7 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         runtime_env={"env_vars": dict(WORKER_ENV)},
     )
     watchdog = None
+    auth_mode = os.environ.get(AUTH_MODE_ENV)
     if address is None:
         ray.init(
             address="local",
@@ -98,17 +101,44 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         except (
             Exception
         ) as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
+            # a half-made connection (a Ray Client one keeps its stub) would fail the next ray.init
+            with contextlib.suppress(Exception):
+                ray.shutdown()
             raise UserError(
-                f"--address {address}: cannot join the Ray cluster ({_first_line(exc)}); "
+                f"--address {address}: cannot join the Ray cluster ({_reason(exc)}); "
                 "check the address and that `ray status` works there"
             ) from None
     try:
         yield
     finally:
         ray.shutdown()
+        if address is None:
+            _restore_auth_mode(auth_mode)
         if watchdog is not None:
             watchdog.stdin.close()  # type: ignore[union-attr]  # the watchdog reaps what shutdown left
             watchdog.wait()
+
+
+def _restore_auth_mode(before: str | None) -> None:
+    """Undo what a local ``ray.init()`` leaves in the process. Ray 2.60 turns token
+    authentication on for a new local cluster (``RAY_AUTH_MODE=token`` in ``os.environ``, the
+    token cached in the process), and ``ray.shutdown()`` keeps both. A later
+    ``ray.init(address=...)`` in the same process, on a cluster without token authentication
+    (the next sweep, a Ray client server), then starts a driver whose RPC server wants a token
+    the cluster never sends: the cluster takes every actor the driver owns for unreferenced and
+    cancels it ("The actor never ran - it was cancelled before it started running"), and each
+    trial of that sweep fails."""
+    if os.environ.get(AUTH_MODE_ENV) == before:
+        return
+    if before is None:
+        os.environ.pop(AUTH_MODE_ENV, None)
+    else:
+        os.environ[AUTH_MODE_ENV] = before
+    with contextlib.suppress(Exception):  # refreshed as Ray's own token setup does
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 # Ray's local processes mostly die with the driver: the raylet and its workers at once, but its
@@ -237,9 +267,13 @@ def _current_cluster() -> str | None:
         return None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _reason(exc: BaseException) -> str:
+    """An error in one line: its first, and its last when the first only announces it (a Ray
+    Client server's "Initialization failure from server:" and the traceback it sent)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0] if lines else type(exc).__name__
 
 
 def pickle_space_modules_by_value(user_objects: Any = ()) -> None:

@@ -262,16 +262,11 @@ def mode(direction: str) -> str:
 
 # --- transformers' keywords and Tune's own objects ------------------------------------------------
 
-#: ``tune.run`` keywords that shape only Tune's own bookkeeping and output, which hpsweep keeps
-#: itself: each run's checkpoints (``save_total_limit``), its progress display and trial folders,
-#: its failure records, and the objective it optimises (``compute_objective`` / ``direction``).
+#: ``tune.run`` keywords that shape only Tune's own output and bookkeeping, which hpsweep keeps
+#: itself: its log files and console detail, its trial names and folders (hpsweep's are
+#: ``hp_name``'s), its failure handling, and the metric its own best trial is read by (hpsweep's
+#: best is the objective's, ``compute_objective`` / ``direction``).
 TUNE_BOOKKEEPING = (
-    "keep_checkpoints_num",
-    "checkpoint_score_attr",
-    "checkpoint_freq",
-    "checkpoint_at_end",
-    "checkpoint_config",
-    "progress_reporter",
     "log_to_file",
     "verbose",
     "trial_name_creator",
@@ -284,12 +279,14 @@ TUNE_BOOKKEEPING = (
 
 def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """Hugging Face's Ray backend passes its keyword arguments on to ``tune.run``, and its users
-    write them (Ray's own Hugging Face example: ``keep_checkpoints_num``, ``checkpoint_score_attr``,
-    ``stop``, ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options
-    left for the backend, the hpsweep settings the others stand for (``search_alg``: sampler,
-    ``local_dir`` / ``storage_path``: storage, ``time_budget_s``: timeout,
-    ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed trial ends the sweep) and a note
-    naming the `TUNE_BOOKKEEPING` ones given, which change nothing here."""
+    write them (Ray's own Hugging Face example: ``checkpoint_config``, ``stop``,
+    ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options left for
+    the backend (``checkpoint_config`` with ``tune.run``'s older checkpoint keywords folded in, by
+    `checkpoint_keywords`; ``stop``, ``progress_reporter``, ``name``, ...), the hpsweep settings
+    others stand for (``search_alg``: sampler, ``local_dir`` / ``storage_path``: storage,
+    ``time_budget_s``: timeout, ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed
+    trial ends the sweep) and a note naming the `TUNE_BOOKKEEPING` ones given, which change
+    nothing here."""
     import datetime
 
     left, settings = dict(options), {}
@@ -307,24 +304,59 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         settings["timeout"] = settings["timeout"].total_seconds()
     if left.pop("fail_fast", False):
         settings["max_failed_trials"] = 1
-    stop = left.pop("stop", None)
-    if stop:
-        raise UserError(
-            f"stop={stop!r}: hpsweep ends a trial where its TrainingArguments say (num_train_epochs, "
-            "max_steps) and stops bad ones with --scheduler; set max_steps in the space or args instead"
-        )
+    checkpoints = checkpoint_keywords(left)
+    if checkpoints:
+        left["checkpoint_config"] = checkpoints
     ignored = [name for name in TUNE_BOOKKEEPING if name in left]
     for name in ignored:
         del left[name]
     note = (
         (
-            f"{', '.join(ignored)}: Tune's own bookkeeping and output, which hpsweep keeps itself (each run's "
-            "checkpoints by save_total_limit, its progress, the objective it was given); ignored"
+            f"{', '.join(ignored)}: Tune's own output and bookkeeping, which hpsweep keeps itself (its "
+            "logs and progress, trial folders named by hp_name, the objective it was given); ignored"
         )
         if ignored
         else None
     )
     return left, settings, note
+
+
+def checkpoint_keywords(options: dict[str, Any]) -> dict[str, Any]:
+    """How many of each trial's checkpoints Tune keeps, and by which score: ``checkpoint_config``
+    (a ``tune.CheckpointConfig``) and ``tune.run``'s older ``keep_checkpoints_num`` /
+    ``checkpoint_score_attr`` (``min-`` in front: lower is better), taken out of ``options`` as
+    ``{"num_to_keep", "score_attribute", "score_order"}`` (empty when none is given). A trial
+    saves where its arguments say (``save_strategy``, ``save_steps``): Tune's checkpoint
+    frequency and ``checkpoint_at_end``, which Tune itself refuses for a function trainable such
+    as hpsweep's, are refused with that fix."""
+    config = options.pop("checkpoint_config", None)
+    kept = {
+        "num_to_keep": getattr(config, "num_to_keep", None),
+        "score_attribute": getattr(config, "checkpoint_score_attribute", None),
+        "score_order": getattr(config, "checkpoint_score_order", "max"),
+    }
+    frequency = options.pop("checkpoint_freq", 0) or getattr(config, "checkpoint_frequency", 0)
+    if (
+        frequency
+        or options.pop("checkpoint_at_end", False)
+        or getattr(config, "checkpoint_at_end", False)
+    ):
+        raise UserError(
+            "checkpoint frequency / checkpoint_at_end: a trial saves where its TrainingArguments say; "
+            "set save_strategy (and save_steps) instead"
+        )
+    if options.get("keep_checkpoints_num") is not None:
+        kept["num_to_keep"] = int(options.pop("keep_checkpoints_num"))
+    options.pop("keep_checkpoints_num", None)
+    attr = options.pop("checkpoint_score_attr", None)
+    if attr:
+        low = attr.startswith("min-")
+        kept["score_attribute"], kept["score_order"] = (
+            attr[4:] if low else attr,
+            "min" if low else "max",
+        )
+    given = config is not None or kept["num_to_keep"] is not None or kept["score_attribute"]
+    return kept if given else {}
 
 
 def own_metric(obj: Any) -> tuple[str, str] | None:

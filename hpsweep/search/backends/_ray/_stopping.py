@@ -1,6 +1,6 @@
 """How the sweep's stop reaches a Ray Tune round, for the Ray Tune backend: Ctrl-C, SIGTERM, a
-trial's user error, and trials Ray cannot place (`PlacementWatch`). A private helper of
-`hpsweep.search.backends._ray`.
+trial's user error, and trials Ray cannot place (`PlacementWatch`); and how Tune's own ``stop=``
+ends a trial (`StopWhen`). A private helper of `hpsweep.search.backends._ray`.
 
 Tune stops every trial the same way, whether its scheduler pruned it or the sweep stopped; the
 driver notes when the sweep began to stop (`StopSignals.stopped_at`, `StopOnUserError.stopped_at`)
@@ -16,15 +16,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ray import tune
 
-from hpsweep.errors import Interrupted
+from hpsweep.errors import Interrupted, UserError
 from hpsweep.search.backends._ray._preflight import autoscaling, describe, fits, live_nodes, offers
-from hpsweep.search.backends._ray._trial import USER_ERROR_KEY
+from hpsweep.search.backends._ray._trial import USER_ERROR_KEY, objective_metrics
+from hpsweep.search.job import Objective, objective_value
+from hpsweep.train.callbacks import TrainerCallback
 
 # How long a round may wait with none of its trials running and one that no live node can hold
 # (the nodes that could left the cluster) before it ends and those trials fail.
@@ -145,3 +147,93 @@ class _InterruptWatch(logging.Handler):
         if "Stop signal received" in record.getMessage() and self.signals.stopped_at is None:
             self.signals.stopped_at = time.time()
             self.signals.stop_file.touch()
+
+
+# --- Tune's stop= -----------------------------------------------------------------------------------
+
+
+def trial_stop_rule(stop: Any) -> Any:
+    """``stop=`` as Ray Tune takes it, checked before anything runs: None, a dict of thresholds
+    (a trial stops once any ``result[key] >= value``), a function ``(trial_id, result) -> bool``,
+    or a `tune.Stopper` that stops trials one by one. A Stopper that ends the whole experiment
+    (``stop_all``, such as `TimeoutStopper`) is refused: hpsweep asks a trial's rule on the trial's
+    worker, where the rest of the sweep is out of sight."""
+    if not stop:
+        return None
+    if isinstance(stop, Mapping):
+        bad = [k for k, v in stop.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if bad:
+            raise UserError(
+                f"stop={dict(stop)!r}: {bad[0]!r} needs a number (a trial stops once its result "
+                "reaches it); give {name: number}"
+            )
+        return dict(stop)
+    if isinstance(stop, tune.Stopper) and not _stops_trials_only(stop):
+        raise UserError(
+            f"stop={type(stop).__name__}(...) ends the whole run (stop_all), which hpsweep does with "
+            "timeout= (time_budget_s=) and n_trials=; give those, or a per-trial stop"
+        )
+    if not callable(stop):
+        raise UserError(
+            f"stop={stop!r}: give a dict such as {{'training_iteration': 3}}, a function "
+            "(trial_id, result) -> bool or a tune.Stopper"
+        )
+    return stop
+
+
+def _stops_trials_only(stopper: Any) -> bool:
+    """Whether a Tune Stopper never ends the whole experiment (Tune's per-trial stoppers)."""
+    from ray.tune.stopper import (
+        CombinedStopper,
+        FunctionStopper,
+        MaximumIterationStopper,
+        NoopStopper,
+        TrialPlateauStopper,
+    )
+
+    if isinstance(stopper, CombinedStopper):
+        return all(_stops_trials_only(s) for s in stopper._stoppers)
+    per_trial = (FunctionStopper, MaximumIterationStopper, NoopStopper, TrialPlateauStopper)
+    return type(stopper).stop_all in {cls.stop_all for cls in per_trial}
+
+
+class StopWhen(TrainerCallback):
+    """Tune's ``stop=`` for one trial (see `trial_stop_rule`), asked after each evaluation with the
+    result Tune gets (the evaluation's metrics, ``objective``) and ``training_iteration``, the
+    evaluation's number. When it says stop, training ends there and the trial is complete with
+    that evaluation's objective, as Tune ends such a trial with its last result."""
+
+    def __init__(self, rule: Any, objective: Objective, directions: list[str]) -> None:
+        self.rule, self.objective, self.directions = rule, objective, directions
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        result = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        result.update(objective_metrics(objective_value(self.objective, self.directions, metrics)))
+        result["training_iteration"] = state.num_evaluations
+        if self._says_stop(result, state):
+            control.should_training_stop = True
+
+    def _says_stop(self, result: dict[str, float], state: Any) -> bool:
+        if isinstance(self.rule, dict):
+            missing = [k for k in self.rule if k not in result]
+            if missing:
+                raise UserError(
+                    f"stop: the result has no {missing[0]!r} (it has {', '.join(sorted(result))}); "
+                    "name one of those"
+                )
+            return any(result[k] >= v for k, v in self.rule.items())
+        rule: Callable[[str, dict[str, float]], Any] = self.rule
+        return bool(rule(_tune_trial_id(state), result))
+
+
+def _tune_trial_id(state: Any) -> str:
+    """The Tune trial id a stop function is given (the run folder's name off a Tune worker)."""
+    try:
+        return str(tune.get_context().get_trial_id())
+    except Exception:
+        return str(getattr(state, "trial_name", "") or "")
