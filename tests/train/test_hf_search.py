@@ -234,6 +234,9 @@ def test_a_wandb_sweep_config_runs_offline_and_sweep_id_continues_it(
     first = finished(out, 2)
     assert set(best.hyperparameters) == {"slope", "intercept"}
     assert (out / ".study").read_text().strip() == "line-fits"  # W&B's project
+    import wandb
+
+    wandb.teardown()  # W&B's service writes the offline runs' files after they finish
     offline = [
         next(d.glob("run-*.wandb")).read_bytes() for d in (out / "wandb").glob("offline-run-*")
     ]
