@@ -326,7 +326,15 @@ def test_ray_tune_domains_with_model_init_and_hp_name_reading_the_config(
 def test_the_same_ray_search_over_a_ray_client_connection(cluster: Cluster, tmp_path: Path) -> None:
     """Over ``ray://``, Tune runs each round's driver as an actor on the cluster; hpsweep's rounds
     each make one, and every trial still records itself in this machine's output folder."""
-    records = search_on_ray(cluster.client_address, tmp_path / "out", n_trials=2)
+    try:
+        records = search_on_ray(cluster.client_address, tmp_path / "out", n_trials=2)
+    except UserError as error:
+        # Ray's client server now and then fails to start the per-client server it joins us to
+        # ("Initialization failure from server"), before anything is written; a failed join leaves
+        # the process able to join again, which this second try also checks
+        if "Initialization failure from server" not in str(error):
+            raise
+        records = search_on_ray(cluster.client_address, tmp_path / "again", n_trials=2)
     assert all(r.user_attrs.get("ray_node_id") for r in records)
 
 
