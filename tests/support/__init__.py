@@ -70,11 +70,21 @@ direction = {direction!r}
     return path
 
 
+#: Ports a Ray node takes by default whatever else it is told (dashboard, its agent, GCS, client
+#: server); a port picked at random for a test's server must not be one of them, or a Ray node
+#: started with it refuses to start ("trying to use a port number ... used by other components").
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (for a server to start on, or to find unreachable)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on (for a server to start on, or to find
+    unreachable), never one of Ray's default ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def timeless(metrics: dict) -> dict:
