@@ -171,9 +171,11 @@ def measure(side: str, url: str, database: str, args: argparse.Namespace, pg, ro
 
 
 def proxy(url: str, port: int) -> subprocess.Popen:
+    """Optuna's storage proxy in front of ``url``, started as Optuna's docs and deploy/ start it:
+    over ``get_storage``, whose cache keeps finished trials in the proxy."""
     serve = (
         "import optuna; optuna.storages.run_grpc_proxy_server("
-        f"optuna.storages.RDBStorage({url!r}), host='127.0.0.1', port={port})"
+        f"optuna.storages.get_storage({url!r}), host='127.0.0.1', port={port})"
     )
     proc = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.DEVNULL)
     import optuna

@@ -31,8 +31,9 @@ from hpsweep import runs
 # The environment each backend's commands run in. Ray without --address starts a Ray instance of
 # its own per command (5-10 s each; a case takes a minute or more on two busy cores), and
 # RAY_ADDRESS, if the caller has one, must not send it elsewhere. Ray runs the contract's core
-# here, commands interrupted or sharing a folder; tests/search/backends/test_ray.py runs a failing
-# trial, and the core again, on its two-node cluster.
+# here, commands interrupted (on its own Ray, which must die with the command);
+# tests/search/backends/test_ray.py runs a failing trial, two commands sharing a folder and an
+# interrupted command again on its two-node cluster, where several commands meet.
 # "optuna+postgres" is Optuna with its study in a real PostgreSQL: the ledger's second home, the
 # study's own database (tests/search/test_many_machines.py has machines that share no folder).
 BACKENDS = {
@@ -109,7 +110,7 @@ def test_a_failed_trial_is_recorded_and_another_runs_in_its_place(
     assert violations(tmp_path / "out", 3) == []
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in CORE_ONLY])
 def test_two_commands_on_one_folder_finish_exactly_n_trials(
     tmp_path: Path, backend: str, on
 ) -> None:

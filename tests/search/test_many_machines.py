@@ -128,7 +128,7 @@ def storage_proxy(url: str) -> Iterator[str]:
     port = free_port()
     serve = (
         "import optuna; optuna.storages.run_grpc_proxy_server("
-        f"optuna.storages.RDBStorage({url!r}), host='127.0.0.1', port={port})"
+        f"optuna.storages.get_storage({url!r}), host='127.0.0.1', port={port})"
     )
     proc = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.DEVNULL)
     try:
@@ -222,3 +222,25 @@ def test_a_database_restart_pauses_the_sweep_which_then_goes_on(pg, tmp_path):
     assert sorted(r.state for r in records) == sorted(
         r.state for r in records if r.state in ("complete", "pruned")
     )
+
+
+def test_a_machine_killed_before_its_trials_first_heartbeat_does_not_hold_its_place(pg, tmp_path):
+    """A machine killed between creating its trial in the study and the trial's first heartbeat
+    leaves a RUNNING trial that Optuna's heartbeat never judges; the sweep must not wait for it
+    for ever: it fails it, runs it again and finishes."""
+    url = pg.create_database("unbeaten")
+    space = write_space(tmp_path, epochs=1)
+    home = tmp_path / "home"
+    code, output = Machine(tmp_path, "m0", *sweep_args(space, url, "s4", home, 1)).finish()
+    assert code == 0, output
+    # the dead machine's last act: a trial created (as `study.ask` does), then nothing
+    orphan = optuna.load_study(study_name="s4", storage=url).ask()
+
+    code, output = Machine(tmp_path, "m1", *sweep_args(space, url, "s4", home, 3)).finish()
+    assert code == 0, output
+    study = optuna.load_study(study_name="s4", storage=url)
+    states = Counter(t.state.name for t in study.trials)
+    assert states["COMPLETE"] + states["PRUNED"] == 3
+    assert states["RUNNING"] == 0 and states["WAITING"] == 0
+    assert study.trials[orphan.number].state.name == "FAIL"
+    assert len([r for r in runs.read_trials(home) if r.state in ("complete", "pruned")]) == 3

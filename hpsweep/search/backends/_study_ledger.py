@@ -18,7 +18,9 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   database lets one machine win each), and the winner enqueues the same trial again: its record
   id and number ride along as user attributes, so whichever machine picks it up resumes it in its
   own folder from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM is enqueued again
-  the same way. The cut-short Optuna trial is FAIL (with ``hpsweep_stopped`` when its process could
+  the same way. A process killed between creating its trial and its first beat left no heartbeat
+  for Optuna to judge: its first beat also sets the trial's `BEAT`, and a running trial seen
+  without one for `GRACE_S` (this machine's own clock) is failed and run again the same way. The cut-short Optuna trial is FAIL (with ``hpsweep_stopped`` when its process could
   say so); the study never keeps a trial RUNNING that no process runs.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
@@ -54,7 +56,8 @@ GRACE_S = 20
 #: User attributes of an enqueued trial that runs a cut-short one again: its record id, its number.
 AGAIN_ID = "hpsweep_again"
 AGAIN_NUMBER = "hpsweep_number"
-#: The trial's system attribute its process counts up while it runs, where Optuna has no heartbeat.
+#: The trial's system attribute its process counts up while it runs, where Optuna has no heartbeat;
+#: with Optuna's heartbeat, set once, at the first beat.
 BEAT = "hpsweep_beat"
 #: The study's user attribute naming the sweep's home.
 HOME = "hpsweep_home"
@@ -89,9 +92,10 @@ class Heartbeat:
     def _record(self) -> None:
         if self._optuna:
             self._storage.record_heartbeat(self._trial_id)
-        else:
-            self._count += 1
-            self._storage.set_trial_system_attr(self._trial_id, BEAT, self._count)
+            if self._count:
+                return
+        self._count += 1
+        self._storage.set_trial_system_attr(self._trial_id, BEAT, self._count)
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -203,19 +207,20 @@ class StudyLedger:
         if now - self._reaped_at < HEARTBEAT_S:
             return
         self._reaped_at = now
-        if is_heartbeat_enabled(storage):
+        optuna_heartbeat = is_heartbeat_enabled(storage)
+        if optuna_heartbeat:
             optuna.storages.fail_stale_trials(study)
-            return
-        for trial in self._silent(study):
+        for trial in self._silent(study, unbeaten_only=optuna_heartbeat):
             try:
                 if storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
                     run_again_callback(study, trial)
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # another machine failed it first, and runs it again
 
-    def _silent(self, study: optuna.Study) -> list[FrozenTrial]:
+    def _silent(self, study: optuna.Study, unbeaten_only: bool = False) -> list[FrozenTrial]:
         """The running trials whose `BEAT` this process has seen unchanged for `GRACE_S` of its
-        own clock: no two machines' clocks are compared."""
+        own clock: no two machines' clocks are compared. ``unbeaten_only``: those that never beat
+        (Optuna's heartbeat judges the others)."""
         now = time.monotonic()
         running = study._storage.get_all_trials(
             study._study_id, deepcopy=False, states=(TrialState.RUNNING,)
@@ -223,6 +228,8 @@ class StudyLedger:
         seen, silent = {}, []
         for trial in running:
             beat = trial.system_attrs.get(BEAT)
+            if unbeaten_only and beat is not None:
+                continue
             last = self._beats.get(trial._trial_id)
             seen[trial._trial_id] = last if last is not None and last[0] == beat else (beat, now)
             if now - seen[trial._trial_id][1] > GRACE_S:

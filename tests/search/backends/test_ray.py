@@ -410,31 +410,61 @@ def test_an_hp_space_of_ray_tune_domains_runs_as_hugging_face_users_write_it(
         assert args["weight_decay"] == r.params["weight_decay"]
 
 
+# model_init writing what Ray reserved for the trial next to the space file
+RESERVED_MODEL_INIT = """
+import json, os
+def model_init(trial):
+    import ray
+    with open(os.path.join(os.path.dirname(__file__), f"reserved-{os.getpid()}-{trial.number}.json"), "w") as f:
+        json.dump(ray.get_runtime_context().get_assigned_resources(), f)
+    return Net(hidden=trial.params["hidden"])
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path]]:
+    """A head node, and a worker node that declares a GPU to Ray (as a GPU node's ``ray start``
+    does; this machine has none) and writes run folders to a node-local folder, as a node
+    without the shared --output-dir would. With it, the folder."""
+    node_local = tmp_path_factory.mktemp("node-local")
+    worker_env = {"HPSWEEP_RAY_LOCAL_RUNS": str(node_local)}
+    with ray_nodes(worker_env=worker_env, worker_args=("--num-gpus", "1")) as c:
+        yield c, node_local
+
+
+def _reserved(folder: Path) -> list[dict]:
+    """What Ray reserved for each trial (`RESERVED_MODEL_INIT`)."""
+    return [json.loads(p.read_text()) for p in folder.glob("reserved-*.json")]
+
+
 def test_trials_on_a_node_without_the_output_dir_ship_their_runs_through_rays_storage(
-    tmp_path: Path,
+    gpu_node: tuple[Cluster, Path], tmp_path: Path
 ) -> None:
-    """The worker node writes run folders to a node-local folder (as a node without the shared
-    --output-dir would); they reach the driver's --output-dir through Ray's storage."""
-    node_local = tmp_path / "node-local"
-    space = write_space(tmp_path, epochs=3)
+    """Run folders written on the worker node's node-local folder reach the driver's
+    --output-dir through Ray's storage. Told gpu=0, trials reserve no GPU on a cluster that has
+    one, and run on both nodes."""
+    two_nodes, node_local = gpu_node
+    space = write_space(tmp_path, epochs=3, model_init=RESERVED_MODEL_INIT)
     out = tmp_path / "out"
-    with ray_nodes(worker_env={"HPSWEEP_RAY_LOCAL_RUNS": str(node_local)}) as two_nodes:
-        proc = _ray_sweep(
-            two_nodes,
-            space,
-            out,
-            "--n-trials",
-            "6",
-            "--n-jobs",
-            "2",
-            "--sampler",
-            "random",
-            "--scheduler",
-            "asha",
-            "--seed",
-            "0",
-        )
+    proc = ray_sweep(
+        two_nodes,
+        space,
+        out,
+        "--resources-per-trial",
+        "cpu=1,gpu=0",
+        "--n-trials",
+        "6",
+        "--n-jobs",
+        "2",
+        "--sampler",
+        "random",
+        "--scheduler",
+        "asha",
+        "--seed",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr
+    assert [r.get("GPU", 0) for r in _reserved(tmp_path)] == [0] * 6
 
     records = runs.read_trials(out)
     assert [r.number for r in records] == list(range(6)), [(r.number, r.state) for r in records]
@@ -602,49 +632,21 @@ def test_settings_the_ray_backend_cannot_honour_are_user_errors(
     ), proc.stderr
 
 
-def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(tmp_path: Path) -> None:
-    """The command runs on a machine without a GPU; the cluster's worker node has one (declared to
-    Ray, as a GPU node's ``ray start`` does). Without gpu=, trials reserve a GPU per process, as on
-    one machine: the cluster's GPUs decide, not those of the machine the command runs on."""
-    model_init = """
-    import json, os
-    def model_init(trial):
-        import ray
-        with open(os.path.join(os.path.dirname(__file__), f"reserved-{os.getpid()}-{trial.number}.json"), "w") as f:
-            json.dump(ray.get_runtime_context().get_assigned_resources(), f)
-        return Net(hidden=trial.params["hidden"])
-    """
-    space = write_space(tmp_path, epochs=1, model_init=model_init)
-    with ray_nodes(worker_args=("--num-gpus", "1")) as gpu_cluster:
-        for out, extra in (("default", []), ("told", ["--resources-per-trial", "cpu=1,gpu=0"])):
-            proc = hpsweep_cli(
-                "run",
-                space,
-                "--backend",
-                "ray",
-                "--address",
-                gpu_cluster.address,
-                "--output-dir",
-                tmp_path / out,
-                "--n-trials",
-                "2",
-                "--n-jobs",
-                "2",
-                "--sampler",
-                "random",
-                *extra,
-                env=gpu_cluster.env,
-                timeout=240,
-            )
-            assert proc.returncode == 0, proc.stderr
-            assert [r.state for r in runs.read_trials(tmp_path / out)] == ["complete", "complete"]
-            reserved = [json.loads(p.read_text()) for p in tmp_path.glob("reserved-*.json")]
-            assert len(reserved) == 2
-            assert [r.get("GPU", 0) for r in reserved] == (
-                [1.0, 1.0] if out == "default" else [0, 0]
-            ), reserved
-            for p in tmp_path.glob("reserved-*.json"):
-                p.unlink()
+def test_on_a_cluster_with_gpus_each_trial_reserves_one_unless_told(
+    gpu_node: tuple[Cluster, Path], tmp_path: Path
+) -> None:
+    """The command runs on a machine without a GPU; the cluster's worker node has one. Without
+    gpu=, trials reserve a GPU per process, as on one machine: the cluster's GPUs decide, not
+    those of the machine the command runs on. (Told gpu=0: the test above.)"""
+    gpu_cluster, _ = gpu_node
+    space = write_space(tmp_path, epochs=1, model_init=RESERVED_MODEL_INIT)
+    out = tmp_path / "out"
+    proc = ray_sweep(
+        gpu_cluster, space, out, "--n-trials", "2", "--n-jobs", "2", "--sampler", "random"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [r.state for r in runs.read_trials(out)] == ["complete", "complete"]
+    assert [r.get("GPU", 0) for r in _reserved(tmp_path)] == [1.0, 1.0]
 
 
 def test_tune_run_keywords_map_to_hpsweeps_settings(tmp_path: Path) -> None:
