@@ -20,8 +20,9 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   own folder from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM is enqueued again
   the same way. A process killed between creating its trial and its first beat left no heartbeat
   for Optuna to judge: its first beat also sets the trial's `BEAT`, and a running trial seen
-  without one for `GRACE_S` (this machine's own clock) is failed and run again the same way. The cut-short Optuna trial is FAIL (with ``hpsweep_stopped`` when its process could
-  say so); the study never keeps a trial RUNNING that no process runs.
+  without one for `GRACE_S` (this machine's own clock) is failed and run again the same way.
+  The cut-short Optuna trial is FAIL (with ``hpsweep_stopped`` when its process could say so);
+  the study never keeps a trial RUNNING that no process runs.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
