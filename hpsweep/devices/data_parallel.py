@@ -158,7 +158,7 @@ class _RankGroup:
             "threads": threads_per_process(self.n),
             "use_cpu": bool(args.use_cpu),
             "backend": args.ddp_backend,
-            "timeout_s": float(args.ddp_timeout) if args.ddp_timeout is not None else timeout_s(),
+            "timeout_s": timeout_s(args),
         }
         # Signals wait until each rank has its own handlers: none sees the terminal's Ctrl-C half set up.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)

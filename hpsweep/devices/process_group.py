@@ -24,9 +24,13 @@ from hpsweep.errors import UserError
 TIMEOUT_ENV = "HPSWEEP_DIST_TIMEOUT_S"
 
 
-def timeout_s() -> float:
-    """How long a process of a group hpsweep starts waits for the others in one collective
-    (``HPSWEEP_DIST_TIMEOUT_S``, 600 s by default): what bounds a process whose peer hangs."""
+def timeout_s(args: Any = None) -> float:
+    """How long a process of a group hpsweep starts waits for the others in one collective:
+    ``args.ddp_timeout`` when given, else ``HPSWEEP_DIST_TIMEOUT_S`` (600 s by default). What
+    bounds a process whose peer hangs."""
+    given = getattr(args, "ddp_timeout", None)
+    if given is not None:
+        return float(given)
     text = os.environ.get(TIMEOUT_ENV, "600")
     try:
         value = float(text)
@@ -73,10 +77,8 @@ def join_launched(args: Any = None) -> None:
     if not dist.is_initialized():
         if args is not None:
             check_backend(args)
-        backend, timeout = getattr(args, "ddp_backend", None), getattr(args, "ddp_timeout", None)
-        options["timeout"] = timedelta(
-            seconds=float(timeout) if timeout is not None else timeout_s()
-        )
+        options["timeout"] = timedelta(seconds=timeout_s(args))
+        backend = getattr(args, "ddp_backend", None)
         if backend is not None:
             options["backend"] = backend
     if PartialState._shared_state:

@@ -115,6 +115,22 @@ REPORT_TO: dict[str, tuple[str, str]] = {
 }
 
 
+def trainer_parts(trainer: Any) -> dict[str, Any]:
+    """The parts of the `Trainer` a search was called on that every trial is built from, as
+    `SweepJob` fields: its model factory, data, collator, metrics, callbacks, and the class and
+    extra keywords of the trainer each trial gets."""
+    return {
+        "model_init": trainer.model_init,
+        "train_dataset": trainer.train_dataset,
+        "eval_dataset": trainer.eval_dataset,
+        "data_collator": trainer.data_collator,
+        "compute_metrics": trainer.compute_metrics,
+        "callbacks": list(trainer.user_callbacks),
+        "trainer_cls": type(trainer),
+        "trainer_kwargs": dict(getattr(trainer, "trial_kwargs", {}) or {}),
+    }
+
+
 #: The sweep callback ``push_to_hub=True`` makes: the push of the best run (``--push-to-hub``),
 #: looked up by name as `REPORT_TO`'s are.
 PUSH_BEST = ("hpsweep.integrations.hub", "PushBestAtEnd")

@@ -36,7 +36,7 @@ from typing import Any
 
 from hpsweep.devices import process_group
 from hpsweep.errors import UserError
-from hpsweep.search.job import SweepJob
+from hpsweep.search.job import SweepJob, trainer_parts
 from hpsweep.search.objective import DefaultObjective
 from hpsweep.search.trial_runner import TrainOutcome, TrialRunner, error_line
 from hpsweep.trial import Trial
@@ -228,15 +228,8 @@ class _FollowingRunner(TrialRunner):
 def _following_job(trainer: Any, request: Any, order: TrialOrder) -> SweepJob:
     """What a follower needs to train one trial: the trainer's own parts, rank 0's objective."""
     return SweepJob(
-        model_init=trainer.model_init,
+        **trainer_parts(trainer),
         args=trainer.args,
-        train_dataset=trainer.train_dataset,
-        eval_dataset=trainer.eval_dataset,
         objective=order.objective if order.objective is not None else request.objective,
         directions=order.directions,
-        data_collator=trainer.data_collator,
-        compute_metrics=trainer.compute_metrics,
-        callbacks=list(trainer.user_callbacks),
-        trainer_cls=type(trainer),
-        trainer_kwargs=dict(getattr(trainer, "trial_kwargs", {}) or {}),
     )

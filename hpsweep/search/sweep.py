@@ -34,6 +34,7 @@ from hpsweep.search.job import (
     SweepJob,
     push_to_hub_callbacks,
     report_to_callbacks,
+    trainer_parts,
     trial_arguments,
 )
 from hpsweep.search.launched import launched_rank, search_launched
@@ -315,15 +316,10 @@ def job_for(
 ) -> SweepJob:
     """What every trial of the sweep needs, taken from the trainer the search was called on."""
     return SweepJob(
-        model_init=trainer.model_init,
+        **trainer_parts(trainer),
         args=trial_arguments(trainer.args, output_dir),
-        train_dataset=trainer.train_dataset,
-        eval_dataset=trainer.eval_dataset,
         objective=objective,
         directions=directions,
-        data_collator=trainer.data_collator,
-        compute_metrics=trainer.compute_metrics,
-        callbacks=list(trainer.user_callbacks),
         hp_space=hp_space,
         hp_name=request.hp_name,
         sweep_callbacks=[
@@ -332,8 +328,6 @@ def job_for(
             *push_to_hub_callbacks(trainer.args, request.sweep_callbacks),
         ],
         model_takes_trial=takes_trial,
-        trainer_cls=type(trainer),
-        trainer_kwargs=dict(getattr(trainer, "trial_kwargs", {}) or {}),
         processes_per_trial=request.processes_per_trial,
     )
 
