@@ -42,6 +42,12 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+class TakenOver(BaseException):
+    """A trial judged dead (its heartbeat stopped) runs on another machine now: this process stops
+    training it and records nothing. A BaseException, so that no handler takes it for the trial's
+    failure."""
+
+
 class TrialPruned(Exception):
     """Raised when a backend decided to stop a trial early (pruning, a scheduler's stop)."""
 

@@ -73,6 +73,7 @@ class MLflowTracker(SweepCallback):
         self.parent_run_id: str | None = None
         self.experiment_id: str | None = None
         self.output_dir: str | None = None
+        self.home: str | None = None
         self.disabled = False
         self._client_obj: Any = None
         self._logged_params: dict[str, set[str]] = {}
@@ -87,10 +88,14 @@ class MLflowTracker(SweepCallback):
     def on_sweep_begin(self, settings: Any) -> None:
         self.tracking_uri = _resolve_uri(self.tracking_uri)
         self.output_dir = str(Path(settings.output_dir).resolve())
+        # The sweep as every machine names it: an object-store home's URL, not this machine's
+        # staging folder, so that all the machines of a sweep share one parent run.
+        home = str(getattr(settings, "home_url", self.output_dir))
+        self.home = redact_url(home) if "://" in home else str(Path(home).resolve())
         name = (
             self.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or settings.study_name
         )
-        key = hashlib.sha1(f"{self.output_dir}|{settings.study_name}".encode()).hexdigest()[:16]
+        key = hashlib.sha1(f"{self.home}|{settings.study_name}".encode()).hexdigest()[:16]
         self._call(
             "create the sweep's parent run", lambda c: self._start_parent(c, name, key, settings)
         )
@@ -112,7 +117,7 @@ class MLflowTracker(SweepCallback):
             "hpsweep.sweep_key": key,
             "hpsweep.role": "sweep",
             "hpsweep.study_name": settings.study_name,
-            "hpsweep.output_dir": self.output_dir,
+            "hpsweep.output_dir": self.home,
         }
         if backend:
             tags["hpsweep.backend"] = backend

@@ -375,9 +375,10 @@ class Ledger:
             claim.lease.bind(trial.id, trial.ref, number=trial.number)
             return claim, trial
 
-    def stopped(self, backend: Any, trial: Any) -> None:
-        """A trial stopped by a signal: nothing to do here, its record says ``stopped`` and the
-        next claim runs it again (the study's ledger must enqueue it; see `next_trial`)."""
+    def stopped(self, backend: Any, trial: Any) -> bool:
+        """A trial stopped by a signal: nothing to do here (False: the backend is told), its record
+        says ``stopped`` and the next claim runs it again (see `next_trial`)."""
+        return False
 
     # --- after trials run elsewhere -----------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from hpsweep.devices.processes import (
     signals_interrupt,
     stop_if_signalled,
 )
-from hpsweep.errors import Interrupted, TrialFailed, TrialPruned, UserError
+from hpsweep.errors import Interrupted, TakenOver, TrialFailed, TrialPruned, UserError
 from hpsweep.search.backends import Backend, SearchSettings
 from hpsweep.search.ledger import Claim, Ledger
 from hpsweep.trial import Trial
@@ -92,6 +92,9 @@ class TrialLoop:
             backend.tell(trial, "pruned")
         except TrialFailed:
             backend.tell(trial, "failed")
+        except TakenOver as exc:
+            # another machine runs this trial now (`._study_ledger`): its end is that run's
+            print(f"hpsweep: {exc}", file=sys.stderr)
         except UserError:
             # the user's error is the news, not a storage hiccup
             _tell_quietly(backend, trial, "failed")
@@ -273,8 +276,8 @@ def _tell_quietly(backend: Backend, trial: Trial, state: str, ledger: Any = None
     which keeps it to run again); if it cannot hear it (a full disk under its storage), the
     ledger's reap closes the trial on the next run (`Backend.abandon`)."""
     try:
-        if state == "stopped" and ledger is not None:
-            ledger.stopped(backend, trial)
+        if state == "stopped" and ledger is not None and ledger.stopped(backend, trial):
+            return  # the ledger put the trial back to run again; nothing to tell
         backend.tell(trial, state)
     except Exception:  # noqa: BLE001 - the exception being raised already says why we stop
         pass

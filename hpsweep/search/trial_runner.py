@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpsweep import devices, runs
 from hpsweep.devices import memory
-from hpsweep.errors import TrialFailed, TrialPruned, UserError
+from hpsweep.errors import TakenOver, TrialFailed, TrialPruned, UserError
 from hpsweep.search.reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments, apply_params
 from hpsweep.train.callbacks import TrainerCallback
@@ -69,8 +69,8 @@ class TrialRunner:
         record = self._new_record(trial, run_dir, resume_from, again)
         try:
             self._train_and_record(trial, built, record, run_dir, resume_from)
-        except (TrialPruned, TrialFailed):
-            raise
+        except (TrialPruned, TrialFailed, TakenOver):
+            raise  # TakenOver: another machine runs the trial, and records it
         except (UserError, ImportError) as exc:
             # no params can fix these: the sweep stops, nothing is recorded
             if fresh:

@@ -397,3 +397,30 @@ def test_every_backend_logs_nested_trial_runs(
                 )["objective"]
             )
     assert sum(c.data.tags.get("hpsweep.best") == "true" for c in children) == 1
+
+
+def test_machines_of_one_sweep_at_an_object_store_share_one_parent_run(
+    mlflow_server: str, tmp_path: Path
+) -> None:
+    """Each machine of a sweep whose home is an object store stages it in a folder of its own;
+    the parent run is the sweep's, named by the home's URL, not by a machine's staging folder."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from hpsweep.integrations.mlflow import MLflowTracker
+    from hpsweep.search.backends import SearchSettings
+
+    parents = []
+    for machine in ("m0", "m1"):
+        settings = SearchSettings(
+            output_dir=tmp_path / machine / "staging",
+            study_name="shared",
+            home=SimpleNamespace(url="s3://sweeps/shared"),
+        )
+        tracker = MLflowTracker(mlflow_server, experiment_name="homes")
+        tracker.on_sweep_begin(settings)
+        parents.append(tracker.parent_run_id)
+    assert parents[0] is not None and parents[0] == parents[1]
+    run = MlflowClient(mlflow_server).get_run(parents[0])
+    assert run.data.tags["hpsweep.output_dir"] == "s3://sweeps/shared"

@@ -11,6 +11,7 @@ import os
 import signal
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 from support import hpsweep_cli, slow_space, write_space
@@ -60,6 +61,7 @@ def on(request: pytest.FixtureRequest, backend: str):
     def command(space: Path, n: int, *more: str) -> list[str]:
         return cmd(backend.split("+")[0], space, n, *storage, *more)
 
+    command.storage = storage[1] if storage else None  # type: ignore[attr-defined]
     return command
 
 
@@ -87,6 +89,10 @@ def test_interrupted_mid_trial_the_same_command_finishes(
     again = next(r for r in runs.read_trials(out) if r.id == cut[0].id)
     assert again.state in ("complete", "pruned") and again.attempts == 2
     assert again.resumed_from and Path(again.resumed_from).parent == Path(cut[0].run_dir)
+    if on.storage is not None:  # the cut-short Optuna trial itself ran again: no FAIL, no copy
+        [name] = optuna.get_all_study_names(on.storage)
+        trials = optuna.load_study(study_name=name, storage=on.storage).trials
+        assert len(trials) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in CORE_ONLY])

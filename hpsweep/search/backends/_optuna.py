@@ -4,10 +4,11 @@ The study lives in an Optuna storage (by default Optuna's journal file in the sw
 `._journal`; any storage URL with ``--storage``), so a sweep stopped and started again continues
 the same study. The search layer's loop asks this backend for trials (``study.ask``)
 and tells it how they ended (``study.tell``); counting, ``--n-jobs`` worker processes and
-running interrupted trials again are the ledger's (`hpsweep.search.ledger`). A trial that runs again
-is a new Optuna trial with the same params (enqueued), while the cut-short one is told FAIL
-with the user attribute ``hpsweep_stopped``, so the study never keeps a trial RUNNING that no
-process runs.
+running interrupted trials again are the ledger's (`hpsweep.search.ledger`). On one machine a
+trial that runs again is a new Optuna trial with the same params (enqueued), while the cut-short
+one is told FAIL with the user attribute ``hpsweep_stopped``, so the study never keeps a trial
+RUNNING that no process runs. In a database that machines share, the cut-short trial itself goes
+back to WAITING and runs again (`._study_ledger`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from hpsweep.search.backends._study_ledger import (
     HOME,
     StudyLedger,
     check_home,
-    run_again_callback,
 )
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.trial import Trial
@@ -58,12 +58,17 @@ class OptunaTrial(Trial):
     ) -> None:
         super().__init__(trial.number if number is None else number, trial.params)
         self._trial = trial
+        #: The trial's `._study_ledger.Heartbeat` in a shared database: a report raises
+        #: `TakenOver` once another machine runs the trial.
+        self.fence: Any = None
         self._multi = multi_objective
         self.ref = trial._trial_id
 
     def report(
         self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
     ) -> None:
+        if self.fence is not None:
+            self.fence.check()
         if not self._multi and objective is not None:  # Optuna prunes single-objective studies only
             self._trial.report(float(objective), step)
 
@@ -417,6 +422,5 @@ def shared_database(parsed: StorageSpec) -> optuna.storages.BaseStorage:
         parsed,
         heartbeat_interval=HEARTBEAT_S,
         grace_period=GRACE_S,
-        stale_callback=run_again_callback,
     )
     return PatientStorage(optuna.storages.get_storage(storage), parsed.label)

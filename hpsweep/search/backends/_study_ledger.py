@@ -13,16 +13,20 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   count, so the study never ends with more than ``n_trials`` finished trials, whatever the
   number of machines.
 - **Liveness.** A running trial's process records Optuna's heartbeat (`Heartbeat`, in the
-  database's own time, so no two clocks are compared). Any machine that looks for work fails the
-  trials whose heartbeat is older than `GRACE_S` (``optuna.storages.fail_stale_trials``; the
-  database lets one machine win each), and the winner enqueues the same trial again: its record
-  id and number ride along as user attributes, so whichever machine picks it up resumes it in its
-  own folder from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM is enqueued again
-  the same way. A process killed between creating its trial and its first beat left no heartbeat
-  for Optuna to judge: its first beat also sets the trial's `BEAT`, and a running trial seen
-  without one for `GRACE_S` (this machine's own clock) is failed and run again the same way.
-  The cut-short Optuna trial is FAIL (with ``hpsweep_stopped`` when its process could say so);
-  the study never keeps a trial RUNNING that no process runs.
+  database's own time, so no two clocks are compared); through Optuna's storage proxy, which has
+  none, it counts up the trial's `BEAT` instead, and a machine judges the count by its own clock.
+  Any machine that looks for work puts a trial whose process stopped beating back to WAITING
+  (`run_again`): the same Optuna trial, with its params, number and folder, is taken by the next
+  machine that asks, and resumes from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM
+  goes back to WAITING the same way. No trial is failed for its machine's death, and the study
+  never keeps a trial RUNNING that no process runs: a process killed between taking a trial and
+  its first beat is judged by the trial's `BEAT`, which its first beat sets.
+- **One runner per trial.** Optuna can move a trial from WAITING to RUNNING for one process only,
+  but not "back to WAITING if still stale": two machines may judge one trial dead at the same
+  moment. Each checks, just before, that the trial is still in the run it judged (its start
+  time, an opaque token, and its beat), which leaves a window of one call; a process whose trial
+  was taken over finds out at its next beat (`Heartbeat.taken_over`), stops training it at its
+  next report and records nothing, and only the run that tells the trial's end is counted.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
@@ -43,7 +47,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsweep import runs
-from hpsweep.errors import UserError
+from hpsweep.errors import TakenOver, UserError
 from hpsweep.search.ledger import Claim
 
 # Optuna marks its heartbeat experimental and expects it under Study.optimize; hpsweep runs the
@@ -54,11 +58,12 @@ warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to b
 HEARTBEAT_S = 5
 #: A running trial whose heartbeat is older than this (database time) belongs to a dead process.
 GRACE_S = 20
-#: User attributes of an enqueued trial that runs a cut-short one again: its record id, its number.
+#: User attributes of a trial that runs again: the id of its record (its folder) and its number
+#: (a trial of an older hpsweep ran again as a copy, which names the trial it continues).
 AGAIN_ID = "hpsweep_again"
 AGAIN_NUMBER = "hpsweep_number"
 #: The trial's system attribute its process counts up while it runs, where Optuna has no heartbeat;
-#: with Optuna's heartbeat, set once, at the first beat.
+#: with Optuna's heartbeat, set once, at the first beat. A trial put back to WAITING has none.
 BEAT = "hpsweep_beat"
 #: The study's user attribute naming the sweep's home.
 HOME = "hpsweep_home"
@@ -70,15 +75,21 @@ class Heartbeat:
     """A running trial's sign of life in the study, renewed every `HEARTBEAT_S` by a thread until
     `release`; it takes the place of a file lease. Optuna's heartbeat row where the storage has
     one (SQL databases); through Optuna's storage proxy, which has none, a counter in the trial's
-    system attribute `BEAT` (see `StudyLedger.reap`)."""
+    system attribute `BEAT` (see `StudyLedger.reap`).
 
-    def __init__(self, storage: Any, trial_id: int) -> None:
+    ``started`` is the trial's start time when this process took it: each beat first checks that
+    the trial is still RUNNING from that start, and otherwise sets `taken_over` and stops."""
+
+    def __init__(self, storage: Any, trial_id: int, started: Any = None) -> None:
         import threading
 
         self._storage = storage
         self._trial_id = trial_id
+        self._started = started
         self._optuna = is_heartbeat_enabled(storage)
         self._count = 0
+        #: Set once a beat found the trial back to WAITING or in another process's run.
+        self.taken_over = False
         self._stop = threading.Event()
         self._record()
         self._thread = threading.Thread(target=self._beat, name="hpsweep-heartbeat", daemon=True)
@@ -90,6 +101,20 @@ class Heartbeat:
     def release(self) -> None:
         self._stop.set()
 
+    def check(self) -> None:
+        """Raise `TakenOver` once a beat found the trial in another process's hands."""
+        if self.taken_over and not self._stop.is_set():
+            raise TakenOver(
+                f"trial {self._number()} was judged dead (its heartbeat stopped) and runs on "
+                "another machine; this run of it stops and is not recorded"
+            )
+
+    def _number(self) -> Any:
+        try:
+            return self._storage.get_trial(self._trial_id).number
+        except Exception:  # noqa: BLE001 - the message names the study's trial id instead
+            return f"id {self._trial_id}"
+
     def _record(self) -> None:
         if self._optuna:
             self._storage.record_heartbeat(self._trial_id)
@@ -98,9 +123,16 @@ class Heartbeat:
         self._count += 1
         self._storage.set_trial_system_attr(self._trial_id, BEAT, self._count)
 
+    def _ours(self) -> bool:
+        trial = self._storage.get_trial(self._trial_id)
+        return trial.state == TrialState.RUNNING and trial.datetime_start == self._started
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
+                if self._started is not None and not self._ours():
+                    self.taken_over = True
+                    return
                 self._record()
             except Exception:  # noqa: BLE001 - the next beat tries again; the trial says why it stops
                 pass
@@ -121,9 +153,12 @@ class StudyLedger:
         self.n_trials = n_trials
         self.home = home
         self.index = runs.TrialIndex(output_dir)
-        # for storages without Optuna's heartbeat: each running trial's last beat seen, and when
-        self._beats: dict[int, tuple[Any, float]] = {}
+        # each running trial's run as last seen (its beat, its start) and since when, by our clock
+        self._seen: dict[int, tuple[Any, float]] = {}
         self._reaped_at = -float("inf")
+        # how many more trials the study had room for at this process's last admission, beyond
+        # what the others may take meanwhile; while positive, `next_trial` asks without looking
+        self._room = 0
 
     def locked(self) -> Any:
         """No lock: the database orders the trials (see the module's docstring)."""
@@ -140,26 +175,31 @@ class StudyLedger:
         elsewhere; one may have to run again) or ``"done"``."""
         study: optuna.Study = backend.study
         self.reap(study)
-        trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_COUNTED)
-        finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
-        if self.n_trials is not None and finished >= self.n_trials:
-            return "done"
-        running = sum(t.state == TrialState.RUNNING for t in trials)
-        if self.n_trials is not None and finished + running >= self.n_trials:
-            return "wait"  # no room for one more; a running one may fail or die
+        if self.n_trials is not None and self._room <= 0:
+            # Near the end, look before asking: a trial asked with no room would only wait.
+            # Far from it, `_admitted` alone keeps the count (one read of the study less).
+            trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_COUNTED)
+            finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+            if finished >= self.n_trials:
+                return "done"
+            running = sum(t.state == TrialState.RUNNING for t in trials)
+            if finished + running >= self.n_trials:
+                return "wait"  # no room for one more; a running one may fail or die
         if backend.exhausted():
             return "done"  # a finished grid
-        asked = study.ask()
+        asked = study.ask()  # a trial put back to WAITING first, else a new one
         if not self._admitted(study, asked._trial_id):
             study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
             return "wait"
-        beat = Heartbeat(study._storage, asked._trial_id)
+        started = asked._cached_frozen_trial.datetime_start
+        beat = Heartbeat(study._storage, asked._trial_id, started)
         try:
             again = self._again_record(asked)
             trial = backend.wrap(asked, again)
         except BaseException:
             beat.release()
             raise
+        trial.fence = beat
         return Claim(beat, again), trial  # type: ignore[arg-type]
 
     def _admitted(self, study: optuna.Study, trial_id: int) -> bool:
@@ -173,6 +213,10 @@ class StudyLedger:
             for t in trials
             if t._trial_id != trial_id
         )
+        # The room left once this trial runs, less what the other machines may take before this
+        # one asks again (about one trial each: as many as run now, twice over).
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        self._room = self.n_trials - ahead - 1 - 2 * running
         return ahead < self.n_trials
 
     def _again_record(self, asked: optuna.Trial) -> runs.TrialRecord | None:
@@ -189,18 +233,25 @@ class StudyLedger:
             records = self.index.records()
         return next((r for r in records if r.id == wanted), None)
 
-    def stopped(self, backend: Any, trial: Any) -> None:
-        """A trial stopped by a signal runs again: enqueue it before its Optuna trial is told."""
-        enqueue_again(backend.study, trial.id, trial.number, trial.params)
+    def stopped(self, backend: Any, trial: Any) -> bool:
+        """A trial stopped by a signal goes back to WAITING, to run again on the next machine that
+        asks; its backend is told nothing (True)."""
+        fence = getattr(trial, "fence", None)
+        storage = backend.study._storage
+        run_again(storage, storage.get_trial(trial.ref), getattr(fence, "_started", None))
+        return True
 
     # --- dead machines --------------------------------------------------------------------------------
 
     def reap(self, study: optuna.Study) -> None:
-        """Fail the trials whose process stopped beating; each runs again (`run_again_callback`).
+        """Put the trials whose process stopped beating back to WAITING (`run_again`).
 
-        Skipped while this process's storage came back from an outage less than a grace period
-        ago: the others' heartbeats were as cut off as ours, and need time to beat again. Looks
-        once per `HEARTBEAT_S` at most: a heartbeat cannot go stale faster."""
+        A trial is judged by the run it is in (its start time and its `BEAT`): by Optuna's
+        heartbeat (database time) once that run has beaten, otherwise by how long this process
+        has seen the run's `BEAT` unchanged (a counter through the proxy; unset before the first
+        beat), by its own clock. Skipped while this process's storage came back from an outage
+        less than a grace period ago: the others' heartbeats were as cut off as ours, and need time
+        to beat again. Looks once per `HEARTBEAT_S` at most: a heartbeat cannot go stale faster."""
         storage, now = study._storage, time.monotonic()
         back_at = getattr(storage, "back_at", None)
         if back_at is not None and now - back_at < GRACE_S + HEARTBEAT_S:
@@ -209,55 +260,49 @@ class StudyLedger:
             return
         self._reaped_at = now
         optuna_heartbeat = is_heartbeat_enabled(storage)
-        if optuna_heartbeat:
-            optuna.storages.fail_stale_trials(study)
-        for trial in self._silent(study, unbeaten_only=optuna_heartbeat):
-            try:
-                if storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
-                    run_again_callback(study, trial)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # another machine failed it first, and runs it again
-
-    def _silent(self, study: optuna.Study, unbeaten_only: bool = False) -> list[FrozenTrial]:
-        """The running trials whose `BEAT` this process has seen unchanged for `GRACE_S` of its
-        own clock: no two machines' clocks are compared. ``unbeaten_only``: those that never beat
-        (Optuna's heartbeat judges the others)."""
-        now = time.monotonic()
-        running = study._storage.get_all_trials(
+        running = storage.get_all_trials(
             study._study_id, deepcopy=False, states=(TrialState.RUNNING,)
         )
-        seen, silent = {}, []
+        # read after the runs above: a trial stale now was stale in the run we saw, or has a new
+        # start (and `run_again` leaves it alone)
+        stale = set(storage._get_stale_trial_ids(study._study_id)) if optuna_heartbeat else set()
+        seen: dict[int, tuple[Any, float]] = {}
         for trial in running:
-            beat = trial.system_attrs.get(BEAT)
-            if unbeaten_only and beat is not None:
-                continue
-            last = self._beats.get(trial._trial_id)
-            seen[trial._trial_id] = last if last is not None and last[0] == beat else (beat, now)
-            if now - seen[trial._trial_id][1] > GRACE_S:
-                silent.append(trial)
-        self._beats = seen
-        return silent
+            run = (trial.system_attrs.get(BEAT), trial.datetime_start)
+            last = self._seen.get(trial._trial_id)
+            seen[trial._trial_id] = last if last is not None and last[0] == run else (run, now)
+            if optuna_heartbeat and run[0] is not None:
+                dead = trial._trial_id in stale
+            else:
+                dead = now - seen[trial._trial_id][1] > GRACE_S
+            if dead:
+                run_again(storage, trial, trial.datetime_start)
+        self._seen = seen
 
 
-def run_again_callback(study: optuna.Study, failed: FrozenTrial) -> None:
-    """Optuna's stale-trial callback: the trial whose process died runs again, once. (Its FAIL
-    cannot take a user attribute any more; the copy names it.)"""
-    trial_id = str(failed.user_attrs.get(AGAIN_ID, failed.number))
-    number = int(failed.user_attrs.get(AGAIN_NUMBER, failed.number))
-    enqueue_again(study, trial_id, number, failed.params)
-
-
-def enqueue_again(study: optuna.Study, trial_id: str, number: int, params: dict) -> None:
-    """Enqueue the trial ``trial_id`` to run again with ``params``, unless it already waits or
-    runs (a process that died between enqueueing and failing its trial)."""
-    pending = study._storage.get_all_trials(
-        study._study_id, deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING)
-    )
-    if any(str(t.user_attrs.get(AGAIN_ID)) == trial_id for t in pending):
-        return
-    study.enqueue_trial(
-        dict(params), user_attrs={AGAIN_ID: trial_id, AGAIN_NUMBER: number}, skip_if_exists=False
-    )
+def run_again(storage: Any, trial: FrozenTrial, started: Any) -> bool:
+    """Put ``trial`` back to WAITING, to run again from its latest checkpoint on whichever machine
+    asks next, if it is still RUNNING in the run that began at ``started`` (None: any run) with
+    the beat it had; whether it was put back. It keeps its number, params and folder; its record
+    id rides along as `AGAIN_ID`, and its `BEAT` is cleared for the next run."""
+    trial_id = trial._trial_id
+    try:
+        now = storage.get_trial(trial_id)
+        if now.state != TrialState.RUNNING or (
+            started is not None
+            and (
+                now.datetime_start != started
+                or now.system_attrs.get(BEAT) != trial.system_attrs.get(BEAT)
+            )
+        ):
+            return False
+        if AGAIN_ID not in now.user_attrs:
+            storage.set_trial_user_attr(trial_id, AGAIN_ID, str(now.number))
+            storage.set_trial_user_attr(trial_id, AGAIN_NUMBER, now.number)
+        storage.set_trial_system_attr(trial_id, BEAT, None)
+        return bool(storage.set_trial_state_values(trial_id, TrialState.WAITING))
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False  # it ended meanwhile
 
 
 def check_home(study_attrs: dict[str, Any], home: str, study_name: str, storage_label: str) -> None:
