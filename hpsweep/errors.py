@@ -30,6 +30,11 @@ class UserError(Exception):
         super().__init__(hide_passwords(str(message)), *args)
 
 
+class DiskFull(UserError):
+    """The disk under the sweep is full: the sweep stops in one line, and the trial that was
+    running is left to resume, not failed (the same command finishes it once there is room)."""
+
+
 class TrialFailed(Exception):
     """A trial raised; its error is recorded in its trial.json and the sweep goes on."""
 

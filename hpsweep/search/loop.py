@@ -33,7 +33,14 @@ from hpsweep.devices.processes import (
     signals_interrupt,
     stop_if_signalled,
 )
-from hpsweep.errors import Interrupted, TakenOver, TrialFailed, TrialPruned, UserError
+from hpsweep.errors import (
+    DiskFull,
+    Interrupted,
+    TakenOver,
+    TrialFailed,
+    TrialPruned,
+    UserError,
+)
 from hpsweep.search.backends import Backend, SearchSettings
 from hpsweep.search.ledger import Claim, Ledger
 from hpsweep.trial import Trial
@@ -95,9 +102,13 @@ class TrialLoop:
         except TakenOver as exc:
             # another machine runs this trial now (`._study_ledger`): its end is that run's
             print(f"hpsweep: {exc}", file=sys.stderr)
-        except UserError:
-            # the user's error is the news, not a storage hiccup
-            _tell_quietly(backend, trial, "failed")
+        except UserError as exc:
+            # the user's error is the news, not a storage hiccup; a full disk leaves the trial
+            # to run again, as a signal does
+            if isinstance(exc, DiskFull):
+                _tell_quietly(backend, trial, "stopped", self.ledger)
+            else:
+                _tell_quietly(backend, trial, "failed")
             raise
         except BaseException:
             _tell_quietly(backend, trial, "stopped", self.ledger)

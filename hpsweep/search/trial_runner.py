@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpsweep import devices, runs
 from hpsweep.devices import memory
-from hpsweep.errors import TakenOver, TrialFailed, TrialPruned, UserError
+from hpsweep.errors import DiskFull, TakenOver, TrialFailed, TrialPruned, UserError
 from hpsweep.search.reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments, apply_params
 from hpsweep.train.callbacks import TrainerCallback
@@ -82,7 +82,7 @@ class TrialRunner:
             # a full disk fails every trial alike: stop, and leave the trial to resume
             if disk_full(exc):
                 _finish_quietly(record, "stopped", "the disk was full")
-                raise UserError(
+                raise DiskFull(
                     f"no space left on the disk of {job.output_dir} while trial {trial.number} "
                     "ran; free some space and run the same command again"
                 ) from None

@@ -65,6 +65,16 @@ def on(request: pytest.FixtureRequest, backend: str):
     return command
 
 
+def study_holds_finished_trials_only(on, n: int) -> bool:
+    """With the study in a database: it holds exactly ``n`` trials, all finished (a cut-short
+    trial itself ran again: no FAIL, no copy). True for the other backends."""
+    if on.storage is None:
+        return True
+    [name] = optuna.get_all_study_names(on.storage)
+    trials = optuna.load_study(study_name=name, storage=on.storage).trials
+    return len(trials) == n and all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_interrupted_mid_trial_the_same_command_finishes(
@@ -89,10 +99,7 @@ def test_interrupted_mid_trial_the_same_command_finishes(
     again = next(r for r in runs.read_trials(out) if r.id == cut[0].id)
     assert again.state in ("complete", "pruned") and again.attempts == 2
     assert again.resumed_from and Path(again.resumed_from).parent == Path(cut[0].run_dir)
-    if on.storage is not None:  # the cut-short Optuna trial itself ran again: no FAIL, no copy
-        [name] = optuna.get_all_study_names(on.storage)
-        trials = optuna.load_study(study_name=name, storage=on.storage).trials
-        assert len(trials) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
+    assert study_holds_finished_trials_only(on, 3)
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in CORE_ONLY])
@@ -273,7 +280,10 @@ def test_a_sigterm_whose_exception_python_drops_still_stops_the_sweep() -> None:
     processes.stop_if_signalled()  # the next sweep in this process starts afresh
 
 
-def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["optuna", "optuna+postgres"])
+def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(
+    tmp_path: Path, backend: str, on
+) -> None:
     import subprocess
 
     disk = tmp_path / "disk"
@@ -291,7 +301,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: P
             extra_args=SLOW_ARGS,
             output_dir=str(out),
         )
-        proc = start(*cmd("optuna", space, 3))
+        proc = start(*on(space, 3))
         assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
         filler = disk / "filler"
         with open(filler, "wb") as f:  # fill the disk while the trial trains
@@ -306,7 +316,8 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(tmp_path: P
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert "no space left" in errors[0] and "free some space" in errors[0]
         filler.unlink()
-        hpsweep_cli(*cmd("optuna", space, 3), check=True)
+        hpsweep_cli(*on(space, 3), check=True)
         assert violations(out, 3) == []
+        assert study_holds_finished_trials_only(on, 3)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
