@@ -44,3 +44,13 @@ def pg():
 
     with postgres_server() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def mariadb():
+    """A real MariaDB server on 127.0.0.1 (`support.mariadb`), for the ``mysql+pymysql://``
+    storage; each test makes its own database with ``mariadb.create_database(name)``."""
+    from support.mariadb import mariadb_server
+
+    with mariadb_server() as server:
+        yield server

@@ -148,6 +148,15 @@ def test_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(pg, tmp
     _kill_one_machine_and_finish(database, database, tmp_path)
 
 
+def test_on_mariadb_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(
+    mariadb, tmp_path
+):
+    """The same on MySQL's kin (Debian's MariaDB) through ``mysql+pymysql://``: the count, the
+    heartbeat in the database's time and the trial put back work there too."""
+    database = mariadb.create_database("dead")
+    _kill_one_machine_and_finish(database, database, tmp_path)
+
+
 def test_through_the_proxy_a_dead_machines_trial_resumes_from_the_object_store(
     pg, tmp_path, monkeypatch
 ):

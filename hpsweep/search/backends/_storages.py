@@ -52,8 +52,8 @@ DRIVERS = {
     "psycopg": "the PostgreSQL driver: pip install 'hpsweep[postgres]'",
     "psycopg2": "the PostgreSQL driver psycopg2: pip install psycopg2-binary, or write "
     "postgresql:// and pip install 'hpsweep[postgres]'",
-    "MySQLdb": "a MySQL driver: pip install pymysql and write mysql+pymysql://",
-    "pymysql": "the MySQL driver: pip install pymysql",
+    "MySQLdb": "a MySQL driver: pip install 'hpsweep[mysql]' and write mysql+pymysql://",
+    "pymysql": "the MySQL driver: pip install 'hpsweep[mysql]'",
     "grpc": "gRPC for the storage proxy: pip install 'hpsweep[grpc]'",
     "google": "gRPC for the storage proxy: pip install 'hpsweep[grpc]'",
 }

@@ -180,7 +180,7 @@ def test_a_storage_that_cannot_be_opened_is_one_line_and_nothing_is_written(
     [
         ("postgres://hp:{pw}@127.0.0.1:5432/sweeps", ["did you mean 'postgresql'"]),
         ("postgresql+psycopg2://hp:{pw}@127.0.0.1:5432/x", ["pip install psycopg2-binary"]),
-        ("mysql://hp:{pw}@127.0.0.1:3306/x", ["pip install pymysql", "mysql+pymysql://"]),
+        ("mysql://hp:{pw}@127.0.0.1:3306/x", ["pip install 'hpsweep[mysql]'", "mysql+pymysql://"]),
         ("grpc://hp:{pw}@127.0.0.1", ["grpc://HOST:PORT"]),
     ],
 )
