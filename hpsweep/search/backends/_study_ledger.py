@@ -36,6 +36,7 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from contextlib import nullcontext
@@ -91,7 +92,7 @@ class Heartbeat:
         #: Set once a beat found the trial back to WAITING or in another process's run.
         self.taken_over = False
         self._stop = threading.Event()
-        self._record()
+        # the first beat too is the thread's: the trial starts without waiting for two writes
         self._thread = threading.Thread(target=self._beat, name="hpsweep-heartbeat", daemon=True)
         self._thread.start()
 
@@ -128,6 +129,8 @@ class Heartbeat:
         return trial.state == TrialState.RUNNING and trial.datetime_start == self._started
 
     def _beat(self) -> None:
+        with contextlib.suppress(Exception):  # unbeaten, the trial is judged by `GRACE_S`
+            self._record()
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 if self._started is not None and not self._ours():
