@@ -4,8 +4,8 @@ offers or the database allows, and the storage proxy's command serves a study fr
 
 The schemas come with packages, so this runs offline: `kubernetes-validate` bundles Kubernetes'
 (every built-in kind, strict: an unknown field is an error), Ray bundles its launcher's. No
-package ships KubeRay's CRDs, so of a RayCluster or RayJob the pod templates inside and the
-metadata are checked against Kubernetes' PodTemplate; the rest of the CR is not (README says so).
+package ships KubeRay's CRDs: a RayCluster or RayJob is checked against `support.kuberay`'s
+schema of KubeRay's API types, and its metadata and pod templates against Kubernetes' PodTemplate.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import optuna
 import pytest
 import yaml
 from support import free_port
+from support.kuberay import resource_schema
 from support.postgres import PASSWORD, postgres_server
 
 from hpsweep.cli.commands import STORAGE_ENV, build_parser
@@ -96,7 +97,7 @@ def _pod_templates(cr: dict) -> dict[str, dict]:
         else (cr["spec"], "spec")
     )
     found = {f"{at}.headGroupSpec.template": spec["headGroupSpec"]["template"]}
-    for i, group in enumerate(spec["workerGroupSpecs"]):
+    for i, group in enumerate(spec.get("workerGroupSpecs", [])):
         found[f"{at}.workerGroupSpecs.{i}.template"] = group["template"]
     if "submitterPodTemplate" in cr["spec"]:
         found["spec.submitterPodTemplate"] = cr["spec"]["submitterPodTemplate"]
@@ -108,9 +109,14 @@ def schema_check(doc: dict) -> list[str]:
     one line per problem with its path in ``doc``. A built-in kind is checked whole; a KubeRay CR
     as Kubernetes PodTemplates made of its metadata and each pod template inside. A kind with no
     schema at all raises (SchemaNotFoundError): nothing goes unchecked without a word."""
+    name = f"{doc['kind']} {doc['metadata']['name']}"
     if doc["kind"] not in KUBERAY_KINDS:
         objects = {"": doc}
+        kuberay: list[str] = []
     else:
+        kuberay = [
+            f"{name}: {path} (KubeRay ray.io/v1): {message}" for path, message in _kuberay(doc)
+        ]
         objects = {
             at: {
                 "apiVersion": "v1",
@@ -120,12 +126,22 @@ def schema_check(doc: dict) -> list[str]:
             }
             for at, t in _pod_templates(doc).items()
         }
-    name = f"{doc['kind']} {doc['metadata']['name']}"
-    return [
+    return kuberay + [
         f"{name}: {path} (Kubernetes {version}): {message}"
         for at, obj in objects.items()
         for version in K8S_VERSIONS
         for path, message in _validate(obj, version, at)
+    ]
+
+
+def _kuberay(cr: dict) -> list[tuple[str, str]]:
+    """What `support.kuberay`'s schema of KubeRay's ``ray.io/v1`` finds wrong in the CR ``cr``."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(resource_schema(cr["kind"]))
+    return [
+        (".".join(str(p) for p in error.absolute_path), error.message)
+        for error in sorted(validator.iter_errors(cr), key=lambda e: list(e.absolute_path))
     ]
 
 
@@ -169,10 +185,31 @@ def _broken_rayjob() -> dict:
     return job
 
 
+def _misspelt_worker_groups() -> dict:
+    cluster = copy.deepcopy(_kind("kuberay-raycluster.yaml", "RayCluster"))
+    cluster["spec"]["workerGroupSpec"] = cluster["spec"].pop("workerGroupSpecs")
+    return cluster
+
+
+def _unquoted_ray_start_param() -> dict:
+    job = copy.deepcopy(_kind("kuberay-rayjob.yaml", "RayJob"))
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    return job
+
+
 @pytest.mark.parametrize(
     "broken, found",
     [
         (_broken_job, "Job hpsweep-optuna-digits: spec.parallelism ("),
+        (
+            _misspelt_worker_groups,
+            "RayCluster hpsweep: spec (KubeRay ray.io/v1): Additional properties are not allowed",
+        ),
+        (
+            _unquoted_ray_start_param,
+            "RayJob hpsweep-digits: spec.rayClusterSpec.headGroupSpec.rayStartParams.num-cpus "
+            "(KubeRay ray.io/v1): 0 is not of type 'string'",
+        ),
         (
             _broken_raycluster,
             "RayCluster hpsweep: spec.workerGroupSpecs.0.template.spec.containers.0 (",
@@ -183,11 +220,18 @@ def _broken_rayjob() -> dict:
             ".resources.limits (",
         ),
     ],
-    ids=["job-wrong-type", "raycluster-unknown-field", "rayjob-wrong-type"],
+    ids=[
+        "job-wrong-type",
+        "raycluster-misspelt-field",
+        "rayjob-unquoted-start-param",
+        "raycluster-pod-unknown-field",
+        "rayjob-pod-wrong-type",
+    ],
 )
 def test_a_broken_manifest_fails_the_schema_check(broken, found: str) -> None:
     problems = schema_check(broken())
-    assert len(problems) == len(K8S_VERSIONS), problems
+    # one line per Kubernetes version checked, one for KubeRay's schema
+    assert len(problems) == (1 if "KubeRay" in found else len(K8S_VERSIONS)), problems
     assert all(found in p for p in problems), problems
 
 
