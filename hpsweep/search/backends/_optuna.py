@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsweep.errors import UserError
+from hpsweep.errors import TakenOver, UserError
 from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.backends._storages import (
     OPEN_TRIES,
@@ -67,8 +67,11 @@ class OptunaTrial(Trial):
     def report(
         self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
     ) -> None:
-        if self.fence is not None:
-            self.fence.check()
+        if self.fence is not None and self.fence.taken_over:
+            raise TakenOver(
+                f"trial {self.number} was judged dead (its heartbeat stopped) and runs on "
+                "another machine; this run of it stops and is not recorded"
+            )
         if not self._multi and objective is not None:  # Optuna prunes single-objective studies only
             self._trial.report(float(objective), step)
 

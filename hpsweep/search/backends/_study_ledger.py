@@ -36,10 +36,9 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from hpsweep import runs
-from hpsweep.errors import TakenOver, UserError
+from hpsweep.errors import UserError
 from hpsweep.search.ledger import Claim
 
 # Optuna marks its heartbeat experimental and expects it under Study.optimize; hpsweep runs the
@@ -86,7 +85,7 @@ class Heartbeat:
 
         self._storage = storage
         self._trial_id = trial_id
-        self._started = started
+        self.started = started
         self._optuna = is_heartbeat_enabled(storage)
         self._count = 0
         #: Set once a beat found the trial back to WAITING or in another process's run.
@@ -102,20 +101,6 @@ class Heartbeat:
     def release(self) -> None:
         self._stop.set()
 
-    def check(self) -> None:
-        """Raise `TakenOver` once a beat found the trial in another process's hands."""
-        if self.taken_over and not self._stop.is_set():
-            raise TakenOver(
-                f"trial {self._number()} was judged dead (its heartbeat stopped) and runs on "
-                "another machine; this run of it stops and is not recorded"
-            )
-
-    def _number(self) -> Any:
-        try:
-            return self._storage.get_trial(self._trial_id).number
-        except Exception:  # noqa: BLE001 - the message names the study's trial id instead
-            return f"id {self._trial_id}"
-
     def _record(self) -> None:
         if self._optuna:
             self._storage.record_heartbeat(self._trial_id)
@@ -126,14 +111,14 @@ class Heartbeat:
 
     def _ours(self) -> bool:
         trial = self._storage.get_trial(self._trial_id)
-        return trial.state == TrialState.RUNNING and trial.datetime_start == self._started
+        return trial.state == TrialState.RUNNING and trial.datetime_start == self.started
 
     def _beat(self) -> None:
-        with contextlib.suppress(Exception):  # unbeaten, the trial is judged by `GRACE_S`
+        with suppress(Exception):  # unbeaten, the trial is judged by `GRACE_S`
             self._record()
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                if self._started is not None and not self._ours():
+                if self.started is not None and not self._ours():
                     self.taken_over = True
                     return
                 self._record()
@@ -241,7 +226,7 @@ class StudyLedger:
         asks; its backend is told nothing (True)."""
         fence = getattr(trial, "fence", None)
         storage = backend.study._storage
-        run_again(storage, storage.get_trial(trial.ref), getattr(fence, "_started", None))
+        run_again(storage, storage.get_trial(trial.ref), getattr(fence, "started", None))
         return True
 
     # --- dead machines --------------------------------------------------------------------------------
