@@ -1,6 +1,8 @@
 """deploy/: the manifests match Kubernetes' own API schemas (and Ray's, for the launcher config),
-name the image the Dockerfile documents, run a valid `hpsweep run`, ask for no more than a pod
-offers or the database allows, and the storage proxy's command serves a study from PostgreSQL.
+name the image the Dockerfile documents (built from the project's own extras), run a valid
+`hpsweep run`, ask for no more than a pod offers or the database allows, stage checkpoints on the
+pod's scratch volume, end the workers' Job at once on a user's mistake (exit 2) but not on a
+preemption, and the storage proxy's command serves a study from PostgreSQL (one proxy at a time).
 
 The schemas come with packages, so this runs offline: `kubernetes-validate` bundles Kubernetes'
 (every built-in kind, strict: an unknown field is an error), Ray bundles its launcher's. No
@@ -24,12 +26,14 @@ from pathlib import Path
 import kubernetes_validate
 import optuna
 import pytest
+import tomllib
 import yaml
 from support import free_port
 from support.kuberay import resource_schema
 from support.postgres import PASSWORD, postgres_server
 
 from hpsweep.cli.commands import STORAGE_ENV, build_parser
+from hpsweep.runs.home import RemoteHome
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 IMAGE = re.compile(r"^[\w.-]+(?::\d+)?(/[\w.-]+)*/hpsweep-ray:(?P<version>\d+\.\d+\.\d+)(-cuda)?$")
@@ -74,6 +78,13 @@ def _images(node: object) -> list[str]:
 
 def _cpus(quantity: str) -> float:
     return float(quantity[:-1]) / 1000 if str(quantity).endswith("m") else float(quantity)
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes storage quantity (``20Gi``, ``512M``, ``1000``) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i?)?", str(quantity)).groups()
+    base = 1024 if unit and unit.endswith("i") else 1000
+    return int(number) * base ** (" KMGT".index(unit[0]) if unit else 0)
 
 
 def _project_version() -> str:
@@ -251,8 +262,7 @@ def test_the_ray_launcher_config_matches_rays_schema() -> None:
 
 def test_every_manifest_names_the_image_the_dockerfile_builds() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert "hpsweep-ray:<hpsweep version>" in dockerfile
-    assert '".[ray,postgres,s3]"' in dockerfile and "USER ray" in dockerfile
+    assert "hpsweep-ray:<hpsweep version>" in dockerfile and "USER ray" in dockerfile
     torch = re.search(r"^ARG TORCH_VERSION=(\S+)", dockerfile, re.M).group(1)
     assert torch == "2.13.0" and "download.pytorch.org/whl/cpu" in dockerfile
     ray_base = re.search(r"^FROM rayproject/ray:(\d+\.\d+\.\d+)", dockerfile, re.M).group(1)
@@ -265,6 +275,61 @@ def test_every_manifest_names_the_image_the_dockerfile_builds() -> None:
     for name in ("kuberay-raycluster.yaml", "kuberay-rayjob.yaml"):
         cluster = next(d for d in _docs(name) if d["kind"] in KUBERAY_KINDS)
         assert _ray_spec(cluster)["rayVersion"] == ray_base  # the operator and the image agree
+
+
+def _pip_installs(dockerfile: str) -> list[str]:
+    """What each ``pip install`` in ``dockerfile``'s RUN lines installs (its options left out)."""
+    with_values = {"--index-url", "--extra-index-url", "--constraint", "-c", "-r"}
+    found = []
+    for line in dockerfile.replace("\\\n", " ").splitlines():
+        for command in line.removeprefix("RUN ").split("&&") if line.startswith("RUN ") else []:
+            words = shlex.split(command)
+            if words[:2] != ["pip", "install"]:
+                continue
+            skip = False
+            for word in words[2:]:
+                if not skip and not word.startswith("-"):
+                    found.append(word)
+                skip = word in with_values
+    return found
+
+
+def _image_install_problems(dockerfile: str) -> list[str]:
+    """What is wrong with how ``dockerfile`` installs hpsweep: an extra that pyproject.toml does
+    not declare, one that the manifests need missing, or a package an extra brings installed
+    beside it with a version of its own (anything else is a core dependency, torch)."""
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    declared = project["optional-dependencies"]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.M))
+    installs = [re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], r) for r in _pip_installs(dockerfile)]
+    ours = [r for r in installs if r.startswith(".[")]
+    if len(ours) != 1:
+        return [f"hpsweep is installed {len(ours)} times: {installs}"]
+    extras = set(ours[0][2:-1].split(","))
+    # Ray's nodes, the study's database, the S3 home, the storage proxy and its clients
+    problems = [f"no extra {e!r} in pyproject.toml" for e in sorted(extras - set(declared))]
+    problems += [f"no extra {e!r}" for e in ("ray", "postgres", "s3", "grpc") if e not in extras]
+    in_extras = {_name(r): e for e, reqs in declared.items() for r in reqs}
+    for r in set(installs) - set(ours):
+        if _name(r) in in_extras or _name(r) not in {_name(d) for d in project["dependencies"]}:
+            problems.append(f"{r} beside the extras (the {in_extras.get(_name(r))!r} extra)")
+    return problems
+
+
+def test_the_image_installs_the_projects_own_extras() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert _image_install_problems(dockerfile) == []
+    loose = dockerfile.replace('".[${EXTRAS}]"', '".[${EXTRAS},gpu]" "grpcio>=1.42"')
+    assert _image_install_problems(loose) == [
+        "no extra 'gpu' in pyproject.toml",
+        "grpcio>=1.42 beside the extras (the 'grpc' extra)",
+    ]
+
+
+def _name(requirement: str) -> str:
+    """A requirement's package name, as pip compares them (``grpcio>=1.42`` -> ``grpcio``)."""
+    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement).group(0)
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_the_optuna_pods_run_as_a_user_not_root() -> None:
@@ -302,17 +367,103 @@ def test_the_workers_job_runs_hpsweep_against_the_database_and_s3() -> None:
     assert env["AWS_ENDPOINT_URL"]["valueFrom"]["secretKeyRef"]["optional"] is True
 
 
-def test_a_lost_worker_pod_is_replaced() -> None:
-    spec = _worker()[0]["spec"]
+def _failed_pod(job: dict, exits: dict[str, int], conditions: tuple[str, ...] = ()) -> str:
+    """What the Job controller does with a failed pod of ``job`` whose containers exited with
+    ``exits`` (name: code) and which holds the True pod ``conditions``: the action of the first
+    podFailurePolicy rule that matches (a nonzero code of the named container, or of any, In or
+    NotIn the values; or one of the conditions), or "Count" (one of its index's retries)."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        if "onExitCodes" in rule:
+            on = rule["onExitCodes"]
+            codes = [c for n, c in exits.items() if c and on.get("containerName", n) == n]
+            if any((c in on["values"]) == (on["operator"] == "In") for c in codes):
+                return rule["action"]
+        elif any(
+            c["type"] in conditions and c["status"] == "True" for c in rule["onPodConditions"]
+        ):
+            return rule["action"]
+    return "Count"
+
+
+def test_a_lost_worker_pod_is_replaced_and_a_mistake_ends_the_job() -> None:
+    job = _worker()[0]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert spec["parallelism"] == spec["completions"] and spec["completionMode"] == "Indexed"
-    assert (
-        spec["template"]["spec"]["restartPolicy"] == "Never" and spec["backoffLimitPerIndex"] >= 1
+    # what the API server requires of a podFailurePolicy, beyond the schema
+    assert pod["restartPolicy"] == "Never" and spec["backoffLimitPerIndex"] >= 1
+    names = {c["name"] for c in pod["containers"] + pod.get("initContainers", [])}
+    for codes in [
+        r["onExitCodes"] for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r
+    ]:
+        assert codes["containerName"] in names and 0 not in codes["values"], codes
+        assert codes["values"] == sorted(set(codes["values"])), codes
+    outcomes = {
+        "a bad flag or space file": ({"worker": 2}, (), "FailJob"),
+        "no database after the wait": ({"wait-for-storage": 2}, (), "FailJob"),
+        "a crash": ({"worker": 1}, (), "Count"),
+        "an OOM kill": ({"worker": 137}, (), "Count"),
+        "SIGTERM: trials recorded as stopped": ({"worker": 143}, (), "Ignore"),
+        "preempted, evicted, a lost node": ({"worker": 137}, ("DisruptionTarget",), "Ignore"),
+    }
+    for case, (exits, conditions, action) in outcomes.items():
+        assert _failed_pod(job, exits, conditions) == action, case
+
+
+def _wait_for_storage(url: str, seconds: str) -> subprocess.Popen:
+    """The workers' init container's own command, run here against ``url``."""
+    init = _kind("k8s-optuna-workers.yaml", "Job")["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["name"] == "wait-for-storage" and init["command"][:2] == ["python", "-c"]
+    env = {**os.environ, **_plain_env(init), STORAGE_ENV: url, "STORAGE_WAIT_SECONDS": seconds}
+    return subprocess.Popen(
+        [sys.executable, *init["command"][1:]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    ignored = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "Ignore"]
-    assert {"type": "DisruptionTarget", "status": "True"} in ignored[0]["onPodConditions"]
-    assert ignored[1]["onExitCodes"]["values"] == [143]  # SIGTERM: stopped, not failed
-    # Not even exit 2 ends the Job at once: a database still starting up is one too.
-    assert not [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+
+
+def test_a_worker_waits_for_its_storage_to_accept_connections() -> None:
+    port = free_port()
+    waiting = _wait_for_storage(f"grpc://127.0.0.1:{port}", "600")
+    try:
+        told = waiting.stdout.readline()  # written after a first try found nothing listening
+        assert f"waiting up to 600 s for the storage at 127.0.0.1:{port}" in told, told
+        with socket.create_server(("127.0.0.1", port)):
+            assert waiting.wait(timeout=60) == 0
+    finally:
+        waiting.kill()
+        waiting.communicate()
+
+
+def test_a_storage_that_never_answers_is_one_line_and_exit_2() -> None:
+    password = "Zr7-not-for-logs"
+    gone = _wait_for_storage(f"postgresql://hpsweep:{password}@127.0.0.1:{free_port()}/db", "1")
+    out, err = gone.communicate(timeout=60)
+    assert gone.returncode == 2, (out, err)  # FailJob: the test above checks the rule
+    assert err.count("\n") == 1 and "hpsweep: error: nothing answered at 127.0.0.1:" in err
+    assert "fix the host in the hpsweep-db Secret's storage-url" in err
+    assert password not in out + err
+
+
+def test_the_workers_stage_checkpoints_on_their_scratch_volume(monkeypatch) -> None:
+    job, container, ns = _worker()
+    pod = job["spec"]["template"]["spec"]
+    scratch = {v["name"]: v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v}
+    mounts = [Path(m["mountPath"]) for m in container["volumeMounts"] if m["name"] in scratch]
+    env = _plain_env(container)
+    for name, value in env.items():
+        if name != "TMPDIR":  # (this process's own temporary files stay where they are)
+            monkeypatch.setenv(name, value)
+    # the folder the S3 home writes each checkpoint to before uploading it, as hpsweep finds it
+    staging = RemoteHome(ns.output_dir).local
+    assert any(staging.is_relative_to(m) for m in mounts), staging
+    assert any(Path(env["TMPDIR"]).is_relative_to(m) for m in mounts)
+    # the pod's ephemeral-storage covers the scratch volume and the container's own files
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert limits["ephemeral-storage"] == requests["ephemeral-storage"]
+    volumes = sum(_bytes(v["sizeLimit"]) for v in scratch.values())
+    assert volumes < _bytes(limits["ephemeral-storage"])
 
 
 def test_every_secret_a_pod_reads_is_in_the_template() -> None:
@@ -346,6 +497,12 @@ def test_the_workers_trials_fit_their_pod() -> None:
     limits, requests = container["resources"]["limits"], container["resources"]["requests"]
     assert ns.n_jobs * ns.resources_per_trial["cpu"] <= _cpus(limits["cpu"])
     assert limits["memory"] == requests["memory"]  # no OOM kill for using what was asked for
+
+
+def test_one_storage_proxy_runs_at_a_time() -> None:
+    # the proxy caches the study: an update stops the old pod before the new one starts
+    proxy = _kind("k8s-optuna-storage-proxy.yaml", "Deployment")["spec"]
+    assert proxy["replicas"] == 1 and proxy["strategy"] == {"type": "Recreate"}
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
@@ -478,5 +635,18 @@ def test_readme_walks_from_zero_to_a_sweep() -> None:
         "max_connections",
         "M*N",
         "not schema-checked",
+        "EXTRAS",
+        "FailJob",
+        "HPSWEEP_CACHE",
+        "Recreate",
     ):
         assert step in readme, step
+
+
+def test_the_docs_say_how_to_size_the_kubernetes_manifests() -> None:
+    docs = (DEPLOY.parent / "docs" / "many-machines.md").read_text()
+    section = docs.split("\n### Kubernetes", 1)[1].split("\n## ", 1)[0]
+    for name in KUBERNETES_FILES:
+        assert name.startswith("kuberay") or f"deploy/{name}" in section, name
+    for point in ("--n-jobs", "max_connections", "PROXY_THREADS", "HPSWEEP_CACHE", "FailJob"):
+        assert point in section, point
