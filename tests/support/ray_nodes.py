@@ -10,18 +10,23 @@ driver's local disk: its ``ray start`` runs in a mount namespace of its own (``u
 root only) with an empty tmpfs over that folder, and Ray's daemons and workers, started from it,
 stay there. Everything else (Python, the code, Ray's temp dir) it sees as the head does; what the
 worker writes under the folder stays in its tmpfs, as on another machine's disk.
+
+`listening` and `answers_without_token` tell whether Ray's sockets let a stranger in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,3 +189,54 @@ def ray_sweep(
         env=cluster.env,
         timeout=timeout,
     )
+
+
+#: One method of each of Ray's gRPC services, which a request without the token is refused on
+#: (UNAUTHENTICATED): the GCS, the raylet's node and object managers, a core worker (a driver too).
+RAY_GRPC_METHODS = (
+    "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo",
+    "/ray.rpc.NodeManagerService/GetNodeStats",
+    "/ray.rpc.ObjectManagerService/Pull",
+    "/ray.rpc.CoreWorkerService/GetCoreWorkerStats",
+)
+
+
+def listening(processes: Iterable[psutil.Process]) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of each TCP socket ``processes`` listen on."""
+    found = []
+    for p in processes:
+        try:
+            sockets = p.net_connections("tcp")
+            name = p.name()
+        except psutil.Error:  # gone meanwhile
+            continue
+        found += [(name, s.laddr.ip, s.laddr.port) for s in sockets if s.status == "LISTEN"]
+    return found
+
+
+def answers_without_token(address: str, port: int) -> str | None:
+    """What a request without Ray's token gets at ``address:port`` (a wildcard address is tried
+    on 127.0.0.1): None when it is refused (gRPC UNAUTHENTICATED, HTTP 401), else what answered."""
+    import grpc
+
+    host = "127.0.0.1" if ipaddress.ip_address(address).is_unspecified else address
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    codes = set()
+    with grpc.insecure_channel(target) as channel:
+        for method in RAY_GRPC_METHODS:
+            try:
+                channel.unary_unary(method)(b"", timeout=10)
+                return f"{method} answered"
+            except grpc.RpcError as exc:
+                codes.add(exc.code())
+    if grpc.StatusCode.UNAUTHENTICATED in codes:
+        return None
+    if grpc.StatusCode.UNIMPLEMENTED in codes:
+        return "a gRPC server with none of Ray's services"
+    try:  # not gRPC: Ray's agents serve HTTP
+        urllib.request.urlopen(
+            urllib.request.Request(f"http://{target}/", method="POST"), timeout=10
+        )
+    except urllib.error.HTTPError as exc:
+        return None if exc.code == 401 else f"HTTP {exc.code}"
+    return "HTTP 200"

@@ -1,10 +1,13 @@
 """The Ray backend on a real two-node Ray cluster on this machine: a user's session with
-``hpsweep run --backend ray --address HOST:PORT``, then a look at what is on disk."""
+``hpsweep run --backend ray --address HOST:PORT``, then a look at what is on disk; and the Ray
+a sweep without ``--address`` starts: who may talk to it, and that it dies with the command."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,18 +17,34 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from support import RANK_LOG, free_port, hpsweep_cli, rank_steps, write_space
-from support.ray_nodes import Cluster, ray_nodes, ray_sweep
-from support.sweep_invariants import violations
+from support import RANK_LOG, free_port, hpsweep_cli, rank_steps, slow_space, write_space
+from support.ray_nodes import Cluster, answers_without_token, listening, ray_nodes, ray_sweep
+from support.s3 import S3Server, s3_server
+from support.sweep_invariants import start, violations, wait_for
 
 from hpsweep import runs
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head node and a worker node that share this machine's disk (a shared --output-dir)."""
-    with ray_nodes() as c:
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def staging(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this machine stages an object-store home's runs ($HPSWEEP_CACHE): the worker node
+    of `cluster` sees it empty, as another machine sees this one's disk."""
+    return tmp_path_factory.mktemp("staging")
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, staging: Path) -> Iterator[Cluster]:
+    """A head node and a worker node that share this machine's disk (a shared --output-dir),
+    but for `staging`, and reach moto's S3 server."""
+    with ray_nodes(env=s3.env, hidden=staging) as c:
         yield c
 
 
@@ -110,6 +129,31 @@ def test_asha_sweep_runs_on_both_nodes_and_leaves_the_optuna_layout(
     assert set(runs.read_json(ray_run / "trial.json")) == set(
         runs.read_json(optuna_run / "trial.json")
     )
+
+
+def test_with_an_object_store_home_rays_storage_is_in_the_home_every_node_reaches(
+    cluster: Cluster, s3: S3Server, staging: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--output-dir s3://... and no --storage: Tune's experiments go to the home's .ray, not to
+    the staging folder on the command's machine, which the worker node does not see."""
+    monkeypatch.setenv("HPSWEEP_CACHE", str(staging))
+    s3.make_bucket("homes")
+    space = write_space(tmp_path, epochs=1)
+    proc = _ray_sweep(
+        cluster, space, "s3://homes/x", "--n-trials", "2", "--n-jobs", "2", "--sampler", "random"
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    keys = s3.keys("homes", "x/")
+    records = [
+        json.loads(s3.client().get_object(Bucket="homes", Key=key)["Body"].read())
+        for key in keys
+        if re.fullmatch(r"x/run-[^/]+/trial\.json", key)
+    ]
+    assert [r["state"] for r in records] == ["complete", "complete"], records
+    assert len({r["user_attrs"]["ray_node_id"] for r in records}) == 2  # trials on both nodes
+    assert any(key.startswith("x/.ray/") for key in keys) and "x/best_run.json" in keys
+    assert not list(staging.rglob(".ray"))
 
 
 # Trial 2 learns nothing (ASHA stops it at its first evaluation, the last trial of the round), and
@@ -610,6 +654,114 @@ def model_init(trial):
         and record.user_attrs["pid"] == reserved["pid"]
     )
     assert not violations(tmp_path / "out", 1)
+
+
+# Holds the trial, and so the sweep's Ray, until the test has looked at Ray's sockets.
+HOLD = """
+import pathlib, time
+
+class _Hold(hpsweep.TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        pathlib.Path({ready!r}).touch()
+        deadline = time.monotonic() + 120
+        while not pathlib.Path({looked!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+callbacks = [_Hold()]
+"""
+
+
+def _look_at_sockets(ready: Path, looked: Path, found: dict) -> None:
+    """Once the trial trains: every socket this process and its children (the sweep's Ray)
+    listen on, and those that answer a request without Ray's token."""
+    try:
+        if wait_for(ready.exists, timeout=180):
+            me = psutil.Process()
+            found["listening"] = listening([me, *me.children(recursive=True)])
+            found["open"] = [
+                (name, address, port, why)
+                for name, address, port in found["listening"]
+                if not ipaddress.ip_address(address).is_loopback
+                and (why := answers_without_token(address, port))
+            ]
+    finally:
+        looked.touch()
+
+
+def test_the_ray_a_sweep_starts_refuses_whoever_lacks_its_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's GCS, raylet and workers listen on every interface: each socket of the local Ray is
+    loopback or refuses a request without Ray's token, also where the user switched Ray's tokens
+    off (for a cluster of their own), and for a second sweep in the same process, which each
+    sweep leaves as it found it."""
+    import hpsweep
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ready, looked = tmp_path / "ready", tmp_path / "looked"
+    space = write_space(tmp_path, epochs=1, extra=HOLD.format(ready=str(ready), looked=str(looked)))
+    for sweep in ("first", "second"):
+        found: dict = {}
+        watcher = threading.Thread(
+            target=_look_at_sockets, args=(ready, looked, found), daemon=True
+        )
+        watcher.start()
+        hpsweep.run(
+            space, backend="ray", n_trials=1, output_dir=tmp_path / sweep, show_progress=False
+        )
+        watcher.join()
+        assert found.get("listening") and found["open"] == [], (sweep, found)
+        assert os.environ["RAY_AUTH_MODE"] == "disabled"
+        ready.unlink()
+        looked.unlink()
+
+
+# After the trial's first checkpoint, between two evaluations: the moment to kill the command.
+BETWEEN_WRITES = """
+import pathlib
+
+class _BetweenWrites(hpsweep.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            pathlib.Path({flag!r}).touch()
+
+callbacks = callbacks + [_BetweenWrites()]
+"""
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Everything in ``folder``, with its modification time and size."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_size)
+        for p in folder.rglob("*")
+    }
+
+
+def test_after_a_kill_9_of_the_command_its_trials_write_nothing_and_the_rerun_finishes(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the command's process group takes its local Ray's GCS and raylet along:
+    nothing is left to stop its trial but the trial itself, which must write nothing more."""
+    flag, out = tmp_path / "between-writes", tmp_path / "out"
+    space = slow_space(tmp_path, step_s=0.2, extra=BETWEEN_WRITES.format(flag=str(flag)))
+    command = ["run", space, "--backend", "ray", "--n-trials", "1"]
+    env = {"RAY_ADDRESS": ""}
+    proc = start(*command, env=env, preexec_fn=os.setsid)
+    assert wait_for(flag.exists, timeout=180), proc.communicate()
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    after_death = _listing(out)
+    time.sleep(3)  # a window to look in, in which the trial would have saved again
+    assert _listing(out) == after_death
+    _, left = psutil.wait_procs(descendants, timeout=30)  # its Ray goes with it
+    assert not left, [(p.pid, p.name()) for p in left]
+
+    hpsweep_cli(*command, env=env, check=True, timeout=240)
+    assert violations(out, 1) == []
+    [again] = runs.read_trials(out)
+    assert again.attempts == 2 and again.resumed_from  # from its checkpoint before the kill
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,7 @@ from hpsweep.search.backends._ray._trial import (
     RoundPlan,
     number_in_name,
     record_id,
+    this_process,
     trainable,
     trial_name,
 )
@@ -288,6 +289,7 @@ class RayBackend(Backend):
             deadline=deadline,
             budget=self._evaluation_budget(runner),
             worst_extra=worst_of(self.own_metric),
+            driver=this_process(),
         )
         while deadline is None or time.time() < deadline:
             if not self._next_round(loop.ledger, runner, plan, signals):
@@ -595,7 +597,11 @@ def _resources(settings: SearchSettings) -> dict[str, float]:
 
 
 def _storage_path(settings: SearchSettings) -> str:
-    """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``DIR/.ray``."""
+    """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``.ray`` in the
+    sweep's home. An object-store home (``--output-dir s3://...``) writes to a staging folder
+    on this machine, which other nodes do not see: on a cluster, Tune's experiments go to
+    ``<home URL>/.ray``, which every node reaches; a local Ray keeps them in the staging folder,
+    where Tune's copy of each checkpoint costs no upload."""
     storage = settings.options.get("storage") or settings.storage
     if storage is not None and not isinstance(storage, (str, os.PathLike)):
         raise UserError(
@@ -604,7 +610,12 @@ def _storage_path(settings: SearchSettings) -> str:
         )
     if storage and "://" in str(storage):
         return str(storage)
-    return str(Path(storage).resolve() if storage else settings.output_dir / EXPERIMENT_DIR)
+    if storage:
+        return str(Path(storage).resolve())
+    home = settings.home
+    if home is not None and home.remote and (settings.address or ray.is_initialized()):
+        return f"{home.url}/{EXPERIMENT_DIR}"
+    return str(settings.output_dir / EXPERIMENT_DIR)
 
 
 def _pickle_user_code(runner: Any) -> None:

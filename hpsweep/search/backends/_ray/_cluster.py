@@ -5,8 +5,9 @@ A private helper of the Ray Tune backend `hpsweep.search.backends._ray` (with `.
 that runs on the workers); nothing here decides what to try.
 
 - `connected` joins ``--address`` (checked first, so a wrong address is one line within seconds,
-  not minutes of Ray's retries) or starts a local Ray that dies with the command: a ``kill -9``
-  of the command takes its Ray processes along (see `_WATCHDOG`).
+  not minutes of Ray's retries) or starts a local Ray, with Ray's token authentication (its
+  processes listen on every interface), that dies with the command: a ``kill -9`` of the
+  command takes its Ray processes along (see `_WATCHDOG`).
 - `NodeLocalRuns`: a trial on a node that does not see the driver's ``--output-dir`` writes a
   node-local run folder and ships it through Ray's storage; `collect_shipped_runs` copies it into
   ``--output-dir`` on the driver when the Tune round ends.
@@ -83,46 +84,67 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         configure_logging=True,
         runtime_env={"env_vars": dict(WORKER_ENV)},
     )
-    watchdog = None
-    auth_mode = os.environ.get(AUTH_MODE_ENV)
-    if address is None:
-        ray.init(
-            address="local",
-            num_cpus=max(os.cpu_count() or 1, math.ceil(cpus)),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            **kwargs,
-        )
-        watchdog = _start_watchdog()
-    else:
-        check_reachable(address)
+    if address is not None:
+        _join(address, kwargs)
         try:
-            ray.init(address=address, **kwargs)
-        except (
-            Exception
-        ) as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
-            # a half-made connection (a Ray Client one keeps its stub) would fail the next ray.init
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            raise UserError(
-                f"--address {address}: cannot join the Ray cluster ({_reason(exc)}); "
-                "check the address and that `ray status` works there"
-            ) from None
+            yield
+        finally:
+            ray.shutdown()
+        return
+    auth_mode, watchdog = os.environ.get(AUTH_MODE_ENV), None
     try:
+        watchdog = _start_local(cpus, kwargs, auth_mode)
         yield
     finally:
         ray.shutdown()
-        if address is None:
-            _restore_auth_mode(auth_mode)
+        _restore_auth_mode(auth_mode)
         if watchdog is not None:
             watchdog.stdin.close()  # type: ignore[union-attr]  # the watchdog reaps what shutdown left
             watchdog.wait()
 
 
+def _join(address: str, kwargs: dict[str, Any]) -> None:
+    """Join the cluster at ``address``, checked first; a failure is one line."""
+    check_reachable(address)
+    try:
+        ray.init(address=address, **kwargs)
+    except Exception as exc:  # ConnectionError, AuthenticationError, a Ray Client handshake, ...
+        # a half-made connection (a Ray Client one keeps its stub) would fail the next ray.init
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise UserError(
+            f"--address {address}: cannot join the Ray cluster ({_reason(exc)}); "
+            "check the address and that `ray status` works there"
+        ) from None
+
+
+def _start_local(
+    cpus: float, kwargs: dict[str, Any], auth_mode: str | None
+) -> subprocess.Popen | None:
+    """Start a Ray on this machine; returns its watchdog (`_WATCHDOG`).
+
+    Its GCS, raylet and workers listen on every interface, whatever node address they are
+    given, so it runs with Ray's token authentication, Ray's own default for a new local
+    cluster, also where ``RAY_AUTH_MODE=disabled`` is set (for another cluster): a request
+    without the token (``~/.ray/auth_token``, which Ray writes if missing, or ``RAY_AUTH_TOKEN``)
+    is refused. `_restore_auth_mode` puts the setting back after the sweep."""
+    if (auth_mode or "").lower() != "token":
+        os.environ.pop(AUTH_MODE_ENV, None)  # unset: Ray switches it on for a new local cluster
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, math.ceil(cpus)),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        **kwargs,
+    )
+    return _start_watchdog()
+
+
 def _restore_auth_mode(before: str | None) -> None:
     """Undo what a local ``ray.init()`` leaves in the process. Ray 2.60 turns token
     authentication on for a new local cluster (``RAY_AUTH_MODE=token`` in ``os.environ``, the
-    token cached in the process), and ``ray.shutdown()`` keeps both. A later
+    token cached in the process; `_start_local` clears a ``disabled`` first), and
+    ``ray.shutdown()`` keeps both. A later
     ``ray.init(address=...)`` in the same process, on a cluster without token authentication
     (the next sweep, a Ray client server), then starts a driver whose RPC server wants a token
     the cluster never sends: the cluster takes every actor the driver owns for unreferenced and
@@ -143,8 +165,9 @@ def _restore_auth_mode(before: str | None) -> None:
 
 # Ray's local processes mostly die with the driver: the raylet and its workers at once, but its
 # dashboard and runtime-env agents wait about a minute on the dead GCS first. This watchdog, a
-# child of the driver, remembers the driver's Ray processes and stops them when its pipe from the
-# driver closes: at the end of the sweep, or when the driver died (kill -9, the OOM killer).
+# child of the driver in a session of its own, remembers the driver's Ray processes and stops them
+# when its pipe from the driver closes: at the end of the sweep, or when the driver died (kill -9,
+# of the command or its process group, the OOM killer).
 _WATCHDOG = r"""
 import os, select, signal, sys
 import psutil
@@ -198,6 +221,7 @@ def _start_watchdog() -> subprocess.Popen | None:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a kill of the command's process group spares it
         )
     except OSError:
         return None

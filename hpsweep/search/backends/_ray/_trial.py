@@ -24,6 +24,8 @@ Tune stops a trial without waiting for its function (``session.finish(timeout=0)
 end of a round, ends the actor: the trial's own ending (its record, the lease, a node-local folder
 shipped) runs on a daemon thread the actor's exit would cut short. The trainable Tune gets
 (`trainable`) waits for that ending in its ``stop``; `_InFlight` also holds the actor's exit.
+None of that outlives the command: a trial ends, unrecorded, the moment the command dies
+(`die_with`), and runs again from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ import contextlib
 import ctypes
 import math
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray import tune
 
@@ -77,6 +81,8 @@ class RoundPlan:
     #: What a trial without a result reports besides the objective: the worst value of the metric a
     #: user's scheduler or search algorithm was made with (PBT raises on a result without it).
     worst_extra: dict[str, float] = field(default_factory=dict)
+    #: The command's process, (pid, start time): a trial on its machine dies with it (`die_with`).
+    driver: tuple[int, float] | None = None
 
 
 class RayTrial(Trial):
@@ -264,6 +270,7 @@ def trainable(runner: Any, plan: RoundPlan) -> type:
 
 def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
     """The Tune function trainable: one trial of the sweep (see the module's docstring)."""
+    die_with(plan.driver)
     with _IN_FLIGHT.running():
         _train_trial(config, runner, plan)
 
@@ -293,6 +300,60 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
     # which Tune trial ran it last, for the driver
     trial.user_attrs["ray_trial_id"] = ctx.get_trial_id()
     _train(runner, trial, lease, local, plan.worst_extra)
+
+
+def this_process() -> tuple[int, float]:
+    """This process as `die_with` finds it: its pid, and its start time against a reused pid."""
+    return os.getpid(), psutil.Process().create_time()
+
+
+def die_with(driver: tuple[int, float] | None) -> None:
+    """End this worker process the moment the command's process (the driver) dies, if it runs
+    on the command's machine: a dead command's trial writes nothing more into the sweep (its
+    next run resumes from its latest checkpoint). Once per worker process and command.
+
+    A local Ray's GCS and raylet may die with the command (a ``kill -9`` of its process group):
+    nothing then tells the worker, which finds its raylet gone seconds later, and a SIGTERM
+    runs the ``atexit`` wait of `_InFlight` while the trial trains on. A worker on another
+    machine needs none of this: Ray force-kills an actor whose owner, the driver, died (no
+    ``atexit``) as soon as the driver's connection drops. A process with another start time
+    at the driver's pid is another machine's, or another PID namespace's: not watched.
+    """
+    if driver is None or driver in _WATCHED:
+        return
+    _WATCHED.add(driver)
+    try:
+        command = psutil.Process(driver[0])
+        if command.create_time() != driver[1]:
+            return
+    except psutil.Error:
+        return
+    threading.Thread(target=_exit_with, args=(command,), name="hpsweep-driver", daemon=True).start()
+
+
+_WATCHED: set[tuple[int, float]] = set()
+
+
+def _exit_with(command: psutil.Process) -> None:
+    """Exit once ``command`` has ended: a pidfd wakes at once; elsewhere, a look every 0.2 s."""
+    try:
+        pidfd = os.pidfd_open(command.pid)
+    except (AttributeError, OSError):  # not Linux 5.3+
+        while _alive(command):
+            time.sleep(0.2)
+    else:
+        waiting = select.poll()  # no limit on the fd's number, unlike select.select
+        waiting.register(pidfd, select.POLLIN)
+        if command.is_running():  # the driver's pid, not one reused meanwhile
+            waiting.poll()
+    os._exit(1)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def trial_name(number: int, tune_id: str) -> str:
@@ -436,7 +497,7 @@ def _train(
             finally:
                 # hp_name may read params model_init suggested
                 run_dir = _run_dir(runner, trial, again)
-                _note_ray_attrs(run_dir, trial, earlier, node, folder)
+                _note_ray_attrs(run_dir, trial, earlier, node, folder, runner.job.home)
     finally:
         if lease is not None:
             lease.release()
@@ -471,9 +532,11 @@ def _note_ray_attrs(
     earlier: runs.TrialRecord | None,
     node: str,
     restored_from: str | None,
+    home: runs.Home | None,
 ) -> None:
-    """Keep in trial.json which Ray nodes ran the trial and how often Tune restored it from a
-    checkpoint (``user_attrs``: ``ray_node_id``, ``ray_node_ids``, ``ray_restores``, ``ray_restored_from``)."""
+    """Keep in trial.json (here, and at an object-store ``home``) which Ray nodes ran the trial
+    and how often Tune restored it from a checkpoint (``user_attrs``: ``ray_node_id``,
+    ``ray_node_ids``, ``ray_restores``, ``ray_restored_from``)."""
     record = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
     if record is None or record.id != trial.id:
         return
@@ -487,3 +550,7 @@ def _note_ray_attrs(
     if restored_from is not None:
         record.user_attrs["ray_restored_from"] = restored_from
     record.save()
+    if home is not None:
+        # best effort, after the trial's own upload: its record is at the home either way
+        with contextlib.suppress(Exception):
+            home.upload_record(run_dir)
