@@ -53,6 +53,13 @@ class TakenOver(BaseException):
     failure."""
 
 
+class EndedOutside(Exception):
+    """The trial was ended from outside the sweep (optuna-dashboard's Fail button, the ``optuna``
+    command line, another writer of its study): this process stops training it, records it failed
+    and runs another in its place. Not counted towards ``--max-failed-trials``: nothing is wrong
+    with the sweep."""
+
+
 class TrialPruned(Exception):
     """Raised when a backend decided to stop a trial early (pruning, a scheduler's stop)."""
 

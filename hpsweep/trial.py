@@ -58,6 +58,8 @@ class Trial:
     ) -> None:
         """Called after each evaluation (``step`` counts evaluations, from 1).
 
+        ``metrics`` holds the evaluation's metrics and its training step, ``metrics["step"]``: the
+        axis that every logger uses, by which a backend keys intermediate values (`training_step`).
         ``checkpoint`` is the folder saved at that evaluation, when one was (always None for a
         trial that does not `reads_checkpoints`).
         """
@@ -126,6 +128,12 @@ class Trial:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(number={self.number}, params={self.params})"
+
+
+def training_step(step: int, metrics: Mapping[str, Any]) -> int:
+    """The training step of a reported evaluation: ``metrics["step"]``, or for a report without
+    it (a caller other than the trainer's) its evaluation's number ``step``."""
+    return int(metrics.get("step", step))
 
 
 class MissingParam(UserError, KeyError):

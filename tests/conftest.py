@@ -54,3 +54,21 @@ def mariadb():
 
     with mariadb_server() as server:
         yield server
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W&B without a login: its runs offline, its own files under this test's folder."""
+    home = tmp_path / "wandb-home"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    for name, sub in {
+        "WANDB_DIR": "",
+        "WANDB_CONFIG_DIR": "config",
+        "WANDB_CACHE_DIR": "cache",
+    }.items():
+        (home / sub).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(name, str(home / sub))
+    monkeypatch.setenv("NETRC", str(home / "netrc"))

@@ -15,6 +15,7 @@ LAYERS = {
     "errors": 0,
     "trial": 0,
     "redaction": 0,
+    "faults": 0,
     "runs": 1,
     "devices": 2,
     "train": 3,

@@ -1,4 +1,4 @@
-"""The ``hpsweep`` command line: ``run``, ``show``, ``report``, ``push``.
+"""The ``hpsweep`` command line: ``run``, ``show``, ``report``, ``push``, ``dashboard``.
 
 Exit codes: 0 done; 2 a user error, printed as one line with no traceback; 1 an internal
 failure; 130 after Ctrl-C, once running trials are recorded as stopped.
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_show(sub)
     _add_report(sub)
     _add_push(sub)
+    _add_dashboard(sub)
     return parser
 
 
@@ -184,6 +185,32 @@ def _add_push(sub: Any) -> None:
     push.set_defaults(func=cmd_push)
 
 
+def _add_dashboard(sub: Any) -> None:
+    dashboard = sub.add_parser(
+        "dashboard",
+        help="serve optuna-dashboard on a sweep's study, live (pip install 'hpsweep[dashboard]')",
+    )
+    dashboard.add_argument(
+        "dir", help="the sweep's home: its output folder, or s3://... / gs://... (with --storage)"
+    )
+    dashboard.add_argument(
+        "--storage",
+        help="the study's database, for a sweep run with --storage (default: $HPSWEEP_STORAGE, "
+        "else DIR/study.journal)",
+    )
+    dashboard.add_argument(
+        "--study-name", help="the study (default: the one DIR/.study names, or the one kept at DIR)"
+    )
+    dashboard.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this machine only; the dashboard has "
+        "no login, and its buttons change the study)",
+    )
+    dashboard.add_argument("--port", type=int, default=8080, help="the port (default 8080)")
+    dashboard.set_defaults(func=cmd_dashboard)
+
+
 def _resources(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, text.split(",")):
@@ -244,11 +271,17 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _storage(ns: argparse.Namespace) -> str | None:
-    """``--storage``, else (on Optuna, whose storage is the study's database) ``$HPSWEEP_STORAGE``.
-    Other backends read ``--storage`` as something else (Ray: Tune's files), so not the variable."""
+    """``--storage``, else (on Optuna, whose storage is the study's database) ``$HPSWEEP_STORAGE``,
+    marked as the variable's so that a message about it names the variable. Other backends read
+    ``--storage`` as something else (Ray: Tune's files), so not the variable."""
     if ns.storage is not None or ns.backend != "optuna":
         return ns.storage
-    return os.environ.get(STORAGE_ENV) or None
+    url = os.environ.get(STORAGE_ENV)
+    if not url:
+        return None
+    from hpsweep.search.backends._storages import StorageFromEnv
+
+    return StorageFromEnv(url, STORAGE_ENV)
 
 
 def _sweep_callbacks(ns: argparse.Namespace) -> list[Any]:
@@ -301,6 +334,23 @@ def cmd_push(ns: argparse.Namespace) -> int:
 
     with sweep_folder(ns.dir, checkpoints=True) as (folder, _):
         print(push_best(folder, ns.repo_id, private=ns.private, revision=ns.revision))
+    return 0
+
+
+def cmd_dashboard(ns: argparse.Namespace) -> int:
+    from hpsweep.search.backends._dashboard import serve_dashboard
+
+    storage = ns.storage or os.environ.get(STORAGE_ENV) or None
+    if storage and not ns.storage:
+        from hpsweep.search.backends._storages import StorageFromEnv
+
+        storage = StorageFromEnv(storage, STORAGE_ENV)
+    try:
+        serve_dashboard(
+            ns.dir, storage=storage, study_name=ns.study_name, host=ns.host, port=ns.port
+        )
+    except KeyboardInterrupt:
+        return 130  # the server stopped as asked; nothing to say
     return 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hpsweep import faults
 from hpsweep.errors import Interrupted
 
 #: The stopping signal this process received. Kept as well as raised: Python drops an exception
@@ -26,6 +27,7 @@ def raise_interrupted(signum: int, frame: Any) -> None:
     # once: a second signal must not cut the trial's record short
     signal.signal(signum, signal.SIG_IGN)
     _received.append(signum)
+    faults.release()
     raise Interrupted(signum)
 
 

@@ -1,8 +1,11 @@
-"""Integrations around a sweep: MLflow tracking, the HTML report and pushing to the Hugging Face Hub.
+"""Integrations around a sweep: MLflow, TensorBoard and W&B tracking, the HTML report and pushing to
+the Hugging Face Hub.
 
 Each lives in its own module and imports its library only when used::
 
     from hpsweep.integrations.mlflow import MLflowTracker      # --mlflow
+    from hpsweep.integrations.tensorboard import TensorBoardTracker   # report_to="tensorboard"
+    from hpsweep.integrations.wandb_runs import WandbRuns      # report_to="wandb"
     from hpsweep.integrations.report import write_report       # hpsweep report DIR
     from hpsweep.integrations.hub import PushToHubCallback, push_best   # hpsweep push DIR
 """

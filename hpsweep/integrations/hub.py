@@ -12,7 +12,6 @@ client at another Hub. Failures (a bad token, no network) are one line naming th
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -23,15 +22,12 @@ from typing import Any
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.redaction import is_secret_name, scrub
+from hpsweep.redaction import is_secret_name
 from hpsweep.search.job import SweepCallback
 from hpsweep.train.callbacks import TrainerCallback
 from hpsweep.train.metrics import SPEED_SUFFIXES
 
 logger = logging.getLogger("hpsweep.hub")
-
-#: Training state that is not part of the model (and is pickle): never pushed.
-NOT_MODEL = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "README.md", ".*")
 
 
 def push_best(
@@ -42,8 +38,8 @@ def push_best(
     revision: str | None = None,
     token: str | None = None,
 ) -> str:
-    """Push ``output_dir/best`` (weights, config, training log) with a model card to ``repo_id``
-    (a bare name is the token's user's, as transformers names a ``hub_model_id``).
+    """Push ``output_dir/best`` (the model folder: weights, config, tokenizer) with a model card
+    to ``repo_id`` (a bare name is the token's user's, as transformers names a ``hub_model_id``).
 
     Creates the repo (and the ``revision`` branch) when needed; ``private`` None leaves the Hub's
     default visibility. Returns the commit URL.
@@ -74,13 +70,10 @@ def push_best(
 
 
 def stage_model(checkpoint: Path, staging: Path) -> Path:
-    """A copy of ``checkpoint`` holding only the model's files, with credentials taken out of
-    training_args.json."""
-    shutil.copytree(checkpoint, staging, ignore=shutil.ignore_patterns(*NOT_MODEL))
-    args_file = staging / "training_args.json"
-    if args_file.exists():
-        data = json.loads(args_file.read_text())
-        args_file.write_text(json.dumps(scrub(data), indent=2, default=str) + "\n")
+    """A copy of ``checkpoint`` holding only the model's files (`runs.copy_model`: not its training
+    state, and training_args.json without credentials)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    runs.copy_model(checkpoint, staging)
     return staging
 
 
@@ -193,51 +186,59 @@ def model_card(
     front: Any = None,
     repo_id: str = "REPO_ID",
 ) -> str:
-    """README.md with metadata (objective, metrics, hyperparameters, sweep size, backend), the top
-    trials and the training log."""
-    from huggingface_hub import ModelCard, ModelCardData
+    """README.md: the metadata block ``best/``'s card has (library, pipeline tag, the objective as
+    an evaluation result, the trial; `runs.card_metadata`) with the model's metrics and the sweep's
+    size, then the top trials, the best trial's evaluations and how to load it from ``repo_id``."""
+    from huggingface_hub import ModelCard
 
-    summary = best.run_summary
-    name = summary.get("objective_name", "objective")
-    directions = summary.get("directions", ["minimize"])
-    # the model's metrics; how fast this machine evaluated is no property of the model (transformers' cards agree)
-    metrics = {
+    kind = runs.model_kind_of(folder)
+    states = [r.state for r in records]
+    data = runs.card_metadata(
+        best,
+        kind,
+        name=repo_id,
+        metrics=_model_metrics(best.run_summary.get("metrics") or {}),
+        n_trials=len(records),
+        n_complete=states.count("complete"),
+        n_pruned=states.count("pruned"),
+        n_failed=states.count("failed"),
+        backend=best.run_summary.get("backend") or (records[0].backend if records else None),
+    )
+    body = _card_body(best, records, data.hpsweep, front)
+    body += ["## Use", "", *runs.card_usage(kind, repo_id, hub=True)]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"))
+
+
+def _model_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The model's metrics: how fast this machine evaluated is no property of the model
+    (transformers' cards agree)."""
+    return {
         k: v
-        for k, v in (summary.get("metrics") or {}).items()
+        for k, v in metrics.items()
         if isinstance(v, (int, float)) and not k.endswith(SPEED_SUFFIXES)
     }
-    params = scrub(best.hyperparameters)
-    states = [r.state for r in records]
-    is_transformers = (folder / "config.json").exists()
-    data = ModelCardData(
-        library_name="transformers" if is_transformers else None,
-        tags=["hpsweep", "hyperparameter-search", "safetensors", "pytorch"],
-        hpsweep={
-            "objective": {"name": name, "value": best.objective, "direction": ",".join(directions)},
-            "metrics": metrics,
-            "hyperparameters": params,
-            "n_trials": len(records),
-            "n_complete": states.count("complete"),
-            "n_pruned": states.count("pruned"),
-            "n_failed": states.count("failed"),
-            "backend": summary.get("backend") or (records[0].backend if records else None),
-            "best_trial": summary.get("number"),
-            "best_run": Path(best.run_dir).name,
-        },
-    )
+
+
+def _card_body(
+    best: runs.BestRun, records: Sequence[runs.TrialRecord], meta: dict[str, Any], front: Any
+) -> list[str]:
+    """The card's sections before its usage: the result, hyperparameters, metrics, the sweep."""
+    objective, states = meta["objective"], [r.state for r in records]
+    directions = objective["direction"].split(",")
     body = [
-        f"# {Path(best.run_dir).name}: best of a {len(records)}-trial hyperparameter sweep",
+        f"# {meta['best_run']}: best of a {len(records)}-trial hyperparameter sweep",
         "",
-        f"Found by [hpsweep](https://pypi.org/project/hpsweep/) ({data.hpsweep['backend']} backend): "
-        f"**{name} = {_fmt(best.objective)}** ({', '.join(directions)}), trial {summary.get('number')}.",
+        f"Found by [hpsweep](https://pypi.org/project/hpsweep/) ({meta['backend']} backend): "
+        f"**{objective['name']} = {_fmt(best.objective)}** ({', '.join(directions)}), "
+        f"trial {meta['best_trial']}.",
         "",
         "## Hyperparameters",
         "",
-        _table(["parameter", "value"], [[k, v] for k, v in params.items()]),
+        _table(["parameter", "value"], list(meta["hyperparameters"].items())),
         "",
         "## Metrics",
         "",
-        _table(["metric", "value"], [[k, v] for k, v in metrics.items()]),
+        _table(["metric", "value"], list(meta["metrics"].items())),
         "",
         "## Sweep",
         "",
@@ -249,39 +250,8 @@ def model_card(
     ]
     if isinstance(front, list) and len(front) > 1:
         body += [f"This is one of {len(front)} runs on the Pareto front.", ""]
-    body += [
-        "## Training log",
-        "",
-        training_log(folder),
-        "",
-        "## Use",
-        "",
-        *_usage(repo_id, is_transformers),
-    ]
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
-    return str(card)
-
-
-def _usage(repo_id: str, is_transformers: bool) -> list[str]:
-    """The card's code block that loads the model: transformers' ``from_pretrained`` for a
-    transformers model, safetensors into the user's own architecture otherwise."""
-    if is_transformers:
-        return [
-            "```python",
-            "from transformers import AutoModel",
-            "",
-            f"model = AutoModel.from_pretrained({repo_id!r})",
-            "```",
-        ]
-    return [
-        "```python",
-        "from huggingface_hub import hf_hub_download",
-        "from safetensors.torch import load_model",
-        "",
-        "model = MyModel(...)  # the architecture of the space file's model_init",
-        f"load_model(model, hf_hub_download({repo_id!r}, 'model.safetensors'))",
-        "```",
-    ]
+    trial = next((r for r in records if r.id == best.run_id), None)
+    return body + ["## Evaluations", "", evaluation_log(trial), ""]
 
 
 def top_trials(records: Sequence[runs.TrialRecord], directions: Sequence[str], n: int = 10) -> str:
@@ -304,19 +274,19 @@ def top_trials(records: Sequence[runs.TrialRecord], directions: Sequence[str], n
     )
 
 
-def training_log(folder: Path) -> str:
-    state_file = folder / "trainer_state.json"
-    history = (
-        json.loads(state_file.read_text()).get("log_history", []) if state_file.exists() else []
-    )
-    if not history:
-        return "No training log was saved with this checkpoint."
+def evaluation_log(record: runs.TrialRecord | None) -> str:
+    """The trial's evaluations during training (its record's history), one row each: what the
+    card shows of training, the same from every home (``trainer_state.json`` stays in the
+    trial's checkpoints)."""
+    rows = [_model_metrics(h) for h in (record.history if record else [])]
+    if not rows:
+        return "The trial recorded no evaluation during training."
     keys = sorted(
-        {k for h in history for k in h if k not in ("step", "epoch") and not is_secret_name(k)}
+        {k for h in rows for k in h if k not in ("step", "epoch") and not is_secret_name(k)}
     )
     return _table(
         ["step", "epoch", *keys],
-        [[h.get("step"), h.get("epoch"), *(h.get(k, "") for k in keys)] for h in history],
+        [[h.get("step"), h.get("epoch"), *(h.get(k, "") for k in keys)] for h in rows],
     )
 
 

@@ -9,13 +9,20 @@ best trial is tagged ``hpsweep.best=true``. The tracker is picklable and carries
 id, so trials running in other processes or on Ray nodes log into the same parent.
 
 Tracking is not worth losing trials for: when the server cannot be reached the sweep warns once
-and goes on without tracking, unless ``fatal=True``. Params whose names look like credentials,
-values that hold a secret from the environment, and environment variables are never logged.
+and goes on without tracking, unless ``fatal=True``. A store MLflow refuses outright (its folder
+store, which MLflow 3 opens only for those who opt in, an unknown scheme) is the user's to fix:
+one line with MLflow's own words, before any trial. Params whose names look like credentials,
+values that hold a secret from the environment, environment variables and the tracking URI's
+password are never logged or printed.
+
+A sweep continued with tracking logs, at its end, the finished trials it holds that no child run
+of its parent names (those run before ``--mlflow`` was given), once each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -23,10 +30,12 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from hpsweep.errors import UserError
-from hpsweep.redaction import describe, redact_url, scrub
+from hpsweep.redaction import HIDDEN, describe, redact_url, scrub
 from hpsweep.search.job import SweepCallback
+from hpsweep.search.reporter import MLFLOW_RUN_ID
 from hpsweep.train.callbacks import TrainerCallback
 
 logger = logging.getLogger("hpsweep.mlflow")
@@ -45,6 +54,10 @@ _RUN_STATUS = {
     "failed": "FAILED",
     "stopped": "KILLED",
 }
+#: How a trial that has ended is recorded; a trial still running logs itself when it ends.
+ENDED = ("complete", "pruned", "failed")
+#: The reasons a call fails that say the store is away, not wrong.
+LOST = ("connection refused", "timed out")
 
 
 class MLflowTracker(SweepCallback):
@@ -87,6 +100,10 @@ class MLflowTracker(SweepCallback):
 
     def on_sweep_begin(self, settings: Any) -> None:
         self.tracking_uri = _resolve_uri(self.tracking_uri)
+        self.disabled = False  # a sweep run again from Python tries its tracking again
+        self._open_store()
+        if self.disabled:
+            return
         self.output_dir = str(Path(settings.output_dir).resolve())
         # The sweep as every machine names it: an object-store home's URL, not this machine's
         # staging folder, so that all the machines of a sweep share one parent run.
@@ -101,10 +118,7 @@ class MLflowTracker(SweepCallback):
         )
 
     def _start_parent(self, client: Any, name: str, key: str, settings: Any) -> None:
-        experiment = client.get_experiment_by_name(name)
-        self.experiment_id = (
-            experiment.experiment_id if experiment else client.create_experiment(name)
-        )
+        self.experiment_id = _experiment_id(client, name)
         found = client.search_runs(
             [self.experiment_id], f"tags.`hpsweep.sweep_key` = '{key}'", max_results=1
         )
@@ -134,20 +148,75 @@ class MLflowTracker(SweepCallback):
         )
 
     def _finish_parent(self, client: Any, best: Any, records: list[Any], interrupted: bool) -> None:
+        children = self._children(client)
+        run_of = self._log_untracked(client, records, children)
+        best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
+        best_runs = {run_of[i] for i in best_ids if run_of.get(i)}
+        self._settle_children(client, children, records, best_runs)
+        self._sum_up(client, best, records, run_of)
+        client.set_terminated(self.parent_run_id, status="KILLED" if interrupted else "FINISHED")
+
+    def _children(self, client: Any) -> list[Any]:
+        """Every child run of the sweep's parent, page by page."""
+        children: list[Any] = []
+        token = None
+        while True:
+            page = client.search_runs(
+                [self.experiment_id],
+                f"tags.`mlflow.parentRunId` = '{self.parent_run_id}'",
+                max_results=1000,
+                page_token=token,
+            )
+            children += page
+            token = page.token
+            if not token:
+                return children
+
+    def _log_untracked(
+        self, client: Any, records: list[Any], children: list[Any]
+    ) -> dict[str, str]:
+        """Log each ended trial that no child names (it ran before tracking was asked for) as a
+        child of its own, marked best below like any other; returns each record's child run."""
+        tracked = {c.data.tags.get("hpsweep.trial_id"): c.info.run_id for c in children}
+        mine = {c.info.run_id for c in children}
+        run_of = {}
+        for record in records:
+            own = record.user_attrs.get("mlflow_run_id")
+            if own in mine:
+                run_of[record.id] = own
+            elif record.id in tracked:
+                run_of[record.id] = tracked[record.id]
+            elif record.state in ENDED:
+                run_of[record.id] = self._log_ended(client, record)
+        return run_of
+
+    def _log_ended(self, client: Any, record: Any) -> str:
+        """A child for a trial that ended untracked: what its own run would have logged, from its
+        record (params, each evaluation's metrics at its step, objective, duration, state)."""
         from mlflow.entities import Metric
 
-        parent = self.parent_run_id
-        best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
-        run_of = {r.id: r.user_attrs.get("mlflow_run_id") for r in records}
+        run_id = self._start_child(client, record, start_time=_ms(record.started_at))
+        metrics = [
+            Metric(name, float(value), _ms(record.finished_at) or _now(), int(point["step"]))
+            for point in record.history
+            if isinstance(point.get("step"), int)
+            for name, value in point.items()
+            if name != "step" and _is_number(value)
+        ]
+        for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            client.log_batch(run_id, metrics=metrics[start : start + 1000])
+        self._finish_child(client, run_id, record, end_time=_ms(record.finished_at))
+        return run_id
+
+    def _settle_children(
+        self, client: Any, children: list[Any], records: list[Any], best_runs: set[str]
+    ) -> None:
+        """Each child's ending as its record has it, and the best mark on the best trial's alone."""
         record_of = {r.user_attrs.get("mlflow_run_id"): r for r in records}
-        best_runs = {run_of[i] for i in best_ids if run_of.get(i)}
-        children = client.search_runs(
-            [self.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'", max_results=5000
-        )
         for child in children:
             if child.info.status == "RUNNING":  # the trial's own ending never reached MLflow
                 record = record_of.get(child.info.run_id)
-                if record is not None and record.state in ("complete", "pruned", "failed"):
+                if record is not None and record.state in ENDED:
                     # Its process lost the call (a worker's tracking turned off by a slow request,
                     # a dropped connection): the record on disk says how the trial ended.
                     self._finish_child(client, child.info.run_id, record, logged=child.data.params)
@@ -158,27 +227,30 @@ class MLflowTracker(SweepCallback):
             is_best = child.info.run_id in best_runs
             if was_best != is_best:
                 client.set_tag(child.info.run_id, "hpsweep.best", "true" if is_best else "false")
+        for run_id in best_runs - {c.info.run_id for c in children}:  # logged just now
+            client.set_tag(run_id, "hpsweep.best", "true")
+
+    def _sum_up(self, client: Any, best: Any, records: list[Any], run_of: dict[str, str]) -> None:
+        """The parent's tags: the backend, the count of each ending and the best trial."""
+        from mlflow.entities import Metric
+
+        parent = self.parent_run_id
         if records:
             client.set_tag(parent, "hpsweep.backend", records[0].backend)
         states = [r.state for r in records]
-        for state in ("complete", "pruned", "failed"):
+        for state in ENDED:
             client.set_tag(parent, f"hpsweep.n_{state}", str(states.count(state)))
-        if best and not isinstance(best, list):
-            client.set_tag(parent, "hpsweep.best_run_id", run_of.get(best.run_id) or "")
-            client.set_tag(
-                parent, "hpsweep.best_trial_number", str(best.run_summary.get("number", ""))
+        if not best or isinstance(best, list):
+            return
+        client.set_tag(parent, "hpsweep.best_run_id", run_of.get(best.run_id) or "")
+        client.set_tag(parent, "hpsweep.best_trial_number", str(best.run_summary.get("number", "")))
+        if isinstance(best.objective, (int, float)):
+            client.log_batch(
+                parent, metrics=[Metric("best_objective", float(best.objective), _now(), 0)]
             )
-            if isinstance(best.objective, (int, float)):
-                client.log_batch(
-                    parent, metrics=[Metric("best_objective", float(best.objective), _now(), 0)]
-                )
-            if (
-                self.log_best_checkpoint
-                and self.output_dir
-                and (Path(self.output_dir) / "best").is_dir()
-            ):
-                client.log_artifacts(parent, str(Path(self.output_dir) / "best"), "best")
-        client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED")
+        folder = Path(self.output_dir) / "best" if self.output_dir else None
+        if self.log_best_checkpoint and folder is not None and folder.is_dir():
+            client.log_artifacts(parent, str(folder), "best")
 
     # --- one trial (the process that runs it) --------------------------------------------------------
 
@@ -191,9 +263,10 @@ class MLflowTracker(SweepCallback):
         if run_id is None:
             return []
         record.user_attrs["mlflow_run_id"] = run_id  # saved in trial.json at the trial's end
+        trial.user_attrs[MLFLOW_RUN_ID] = run_id  # the backend shows it (optuna-dashboard)
         return [_TrialLogger(self, run_id)]
 
-    def _start_child(self, client: Any, record: Any) -> str:
+    def _start_child(self, client: Any, record: Any, start_time: int | None = None) -> str:
         tags = {
             "mlflow.parentRunId": self.parent_run_id,
             "hpsweep.trial_number": str(record.number),
@@ -202,7 +275,9 @@ class MLflowTracker(SweepCallback):
             "hpsweep.state": "running",
             "hpsweep.run_dir": record.run_dir,
         }
-        run = client.create_run(self.experiment_id, run_name=Path(record.run_dir).name, tags=tags)
+        run = client.create_run(
+            self.experiment_id, run_name=Path(record.run_dir).name, tags=tags, start_time=start_time
+        )
         run_id = run.info.run_id
         params = scrub(record.params)
         _log_params(client, run_id, params)
@@ -219,7 +294,12 @@ class MLflowTracker(SweepCallback):
         )
 
     def _finish_child(
-        self, client: Any, run_id: str, record: Any, logged: Collection[str] | None = None
+        self,
+        client: Any,
+        run_id: str,
+        record: Any,
+        logged: Collection[str] | None = None,
+        end_time: int | None = None,
     ) -> None:
         """End the child run as ``record`` ended: its params sampled define-by-run inside model_init
         (those not ``logged`` yet: by default, those this process logged), objective, duration,
@@ -255,17 +335,15 @@ class MLflowTracker(SweepCallback):
             tags.append(RunTag("hpsweep.error", str(record.error)[:1000]))
         client.log_batch(run_id, metrics=metrics, tags=tags)
         with _env({"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}):
-            client.set_terminated(run_id, status=_RUN_STATUS.get(record.state, "FINISHED"))
+            client.set_terminated(
+                run_id, status=_RUN_STATUS.get(record.state, "FINISHED"), end_time=end_time
+            )
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int) -> None:
         from mlflow.entities import Metric
 
         now = _now()
-        batch = [
-            Metric(k, float(v), now, step)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        ]
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if _is_number(v)]
         if batch and not self.disabled:
             self._call("log metrics", lambda c: c.log_batch(run_id, metrics=batch))
 
@@ -275,12 +353,40 @@ class MLflowTracker(SweepCallback):
         if self._client_obj is None:
             from mlflow.tracking import MlflowClient
 
-            self._client_obj = MlflowClient(tracking_uri=self.tracking_uri)
+            # MLflow opens the store here: a new SQLite one gets its tables, once for all
+            with _first_use_lock(self.tracking_uri or ""):
+                self._client_obj = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client_obj
+
+    def _open_store(self) -> None:
+        """Open the store before any trial: one that MLflow refuses is one line with MLflow's
+        own reason and fix, tracking failures fatal or not; nothing is tracked to it. A database
+        store that does not answer is a server down, as with any other call."""
+        try:
+            with self._calling():
+                self._client()
+        except Exception as exc:
+            if _reason(exc) in LOST:
+                self._failed("open the tracking store", exc)
+                return
+            raise UserError(
+                f"MLflow refuses the tracking store {redact_url(self.tracking_uri or '')}: "
+                f"{self._reason(exc).rstrip('.')}; do as MLflow says, or give --mlflow another store "
+                "(http://HOST:PORT, sqlite:///FILE)"
+            ) from None
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        """How each MLflow call runs: quick HTTP retries, no retry warnings, and no run link
+        printed when it would show the URI's password."""
+        secret = redact_url(self.tracking_uri or "") != (self.tracking_uri or "")
+        hide_link = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"} if secret else {}
+        with _env(QUICK_HTTP, keep_user=True), _env(hide_link), _quiet_http():
+            yield
 
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         try:
-            with _env(QUICK_HTTP, keep_user=True), _quiet_http():
+            with self._calling():
                 return fn(self._client())
         except UserError:
             raise
@@ -288,9 +394,12 @@ class MLflowTracker(SweepCallback):
             self._failed(what, exc)
             return None
 
+    def _reason(self, exc: Exception) -> str:
+        return _without_password(_reason(exc), self.tracking_uri or "")
+
     def _failed(self, what: str, exc: Exception) -> None:
         uri = redact_url(self.tracking_uri or "")
-        reason = _short_reason(exc)
+        reason = self._reason(exc)
         if self.fatal:
             raise UserError(
                 f"MLflow tracking at {uri} failed to {what} ({reason}); start the tracking server "
@@ -337,6 +446,20 @@ def _resolve_uri(uri: str | None) -> str:
     return uri
 
 
+def _experiment_id(client: Any, name: str) -> str:
+    """The experiment ``name``, created if missing; another machine may create it first."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
 def _sweep_params(settings: Any, backend: str | None) -> dict[str, Any]:
     params: dict[str, Any] = {
         "backend": backend,
@@ -373,14 +496,59 @@ def _now() -> int:
     return int(time.time() * 1000)
 
 
-def _short_reason(exc: Exception) -> str:
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1000)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _reason(exc: Exception) -> str:
+    """Why an MLflow call failed, on one line: a lost connection in two words (the HTTP stack's
+    text runs to pages), anything else in full, since MLflow's messages end with their fix."""
     text = str(exc)
-    if "Connection refused" in text or "NewConnectionError" in text:
-        return "connection refused"
+    if "connection refused" in text.lower() or "NewConnectionError" in text:
+        return LOST[0]
     if "timed out" in text.lower() or "timeout" in text.lower():
-        return "timed out"
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {first[:200]}"
+        return LOST[1]
+    text = " ".join(text.split())
+    return text if type(exc).__module__.startswith("mlflow") else f"{type(exc).__name__}: {text}"
+
+
+def _without_password(text: str, uri: str) -> str:
+    """``text`` with the password of ``uri`` as ``***`` wherever MLflow quoted it."""
+    try:
+        password = urlsplit(uri).password
+    except ValueError:
+        password = None
+    text = text.replace(uri, redact_url(uri)) if uri else text
+    for secret in {password, unquote(password or "")} - {None, ""}:
+        text = text.replace(secret, HIDDEN)
+    return text
+
+
+@contextlib.contextmanager
+def _first_use_lock(uri: str) -> Iterator[None]:
+    """Hold a lock beside a SQLite store while MLflow opens it: MLflow creates a new store's
+    tables on first use, and two processes doing that at once leave one of them failing. The
+    store's folder is made first, as MLflow would; where no lock file can be made there, MLflow's
+    own error says why."""
+    path = uri[len("sqlite:///") :].partition("?")[0] if uri.startswith("sqlite:///") else ""
+    try:
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            handle = open(f"{path}.lock", "a")
+        else:
+            handle = None
+    except OSError:
+        handle = None
+    if handle is None:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager

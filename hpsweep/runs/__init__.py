@@ -7,14 +7,16 @@ Layout (``DIR`` is ``--output-dir``)::
                                       + scaler.json, fp16's gradient scaler; save_only_model:
                                       the weights and the two JSON files)
     DIR/run-<id>/trial.json           the `TrialRecord`
-    DIR/best/                         the best run's checkpoint, with README.md
+    DIR/best/                         the best run's model (its checkpoint without the training
+                                      state), with README.md, a model card
     DIR/best_run.json                 the `BestRun` (a list of them for multi-objective sweeps)
     DIR/.trials.journal               a run folder's name each time its trial.json is written
 
 Every file and folder is written under a temporary name and renamed into place, so a crash
 leaves either the old version or the new one, never half of one. One responsibility a private
 module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (checkpoint
-folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_index` (the
+folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_model_folder`
+(what of a checkpoint ``best/`` holds, and its model card), `_index` (the
 records kept in memory for the ledger). `home` (public: `open_home`) is the sweep's home, a
 local folder or an object-store URL, and what is uploaded there when.
 """
@@ -46,6 +48,16 @@ from hpsweep.runs._checkpoints import (
     write_snapshot,
 )
 from hpsweep.runs._index import TrialIndex
+from hpsweep.runs._model_folder import (
+    TRAINING_STATE,
+    ModelKind,
+    best_run_readme,
+    card_metadata,
+    card_usage,
+    copy_model,
+    model_files,
+    model_kind_of,
+)
 from hpsweep.runs._records import (
     BEST_DIR,
     BEST_FILE,
@@ -57,7 +69,6 @@ from hpsweep.runs._records import (
     BestRun,
     TrialRecord,
     best_records,
-    best_run_readme,
     dominates,
     is_better,
     params_json,
@@ -103,7 +114,6 @@ __all__ = [
     "TrialIndex",
     "TrialRecord",
     "best_records",
-    "best_run_readme",
     "dominates",
     "is_better",
     "params_json",
@@ -112,6 +122,14 @@ __all__ = [
     "read_trials",
     "run_dir_for",
     "safe_name",
+    "TRAINING_STATE",
+    "ModelKind",
+    "best_run_readme",
+    "card_metadata",
+    "card_usage",
+    "copy_model",
+    "model_files",
+    "model_kind_of",
     "Home",
     "RemoteHome",
     "open_home",

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import types
@@ -16,10 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpsweep import faults
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json
 
 CHECKPOINT_PREFIX = "checkpoint-"
 SCALER_FILE = "scaler.json"
+#: In a plain torch model's ``model.safetensors`` metadata: the model's class (`model_class_path`),
+#: which the card of ``best/`` names (transformers' models name theirs in ``config.json``).
+MODEL_CLASS_KEY = "hpsweep.model_class"
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -65,7 +70,8 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, keep: Path | None) -> l
 def save_weights(
     model: Any, folder: Path, state_dict: Mapping[str, Any] | None = None, *, quiet: bool = False
 ) -> None:
-    """Model weights as safetensors; Hugging Face models also write their config.json.
+    """Model weights as safetensors; Hugging Face models also write their config.json, and a plain
+    torch model's file names its class in its metadata (`MODEL_CLASS_KEY`).
 
     ``state_dict`` (a `snapshot_checkpoint` copy) is written instead of the model's live weights.
     ``quiet`` (the run's ``disable_tqdm``, which every sweep trial has): without transformers'
@@ -85,7 +91,19 @@ def save_weights(
             if state_dict is None
             else types.SimpleNamespace(state_dict=lambda: dict(state_dict))
         )
-        save_model(source, str(folder / "model.safetensors"))
+        metadata = {"format": "pt", MODEL_CLASS_KEY: model_class_path(type(model))}
+        save_model(source, str(folder / "model.safetensors"), metadata=metadata)
+
+
+def model_class_path(cls: type) -> str:
+    """Where ``cls`` is imported from, as a user's script writes it: ``package.module.Class``; a
+    class of a script or a space file, imported under another name (``__main__``, the space
+    file's own), by its file's name (``space.Net``)."""
+    name = cls.__module__
+    source = getattr(sys.modules.get(name), "__file__", None)
+    if source and "." not in name and Path(source).stem not in (name, "__init__"):
+        name = Path(source).stem
+    return f"{name}.{cls.__qualname__}"
 
 
 _BARS_LOCK = threading.Lock()
@@ -258,6 +276,7 @@ def write_snapshot(final: Path, snapshot: CheckpointSnapshot) -> Path:
         save_weights(
             snapshot.model, tmp, snapshot.weights, quiet=bool(snapshot.args.get("disable_progress"))
         )
+        faults.reached("writing")
         for name, value in (
             ("optimizer.pt", snapshot.optimizer),
             ("scheduler.pt", snapshot.scheduler),

@@ -47,6 +47,7 @@ class TrialIndex:
         self._signatures: dict[str, tuple[int, int, int]] = {}
         self._by_state: dict[str, dict[str, TrialRecord]] = {}
         self._state_of: dict[str, str] = {}
+        self._changed: set[str] = set()
 
     def refresh(self, *, verify: bool = False) -> None:
         """Take in what changed on disk since the last refresh (see the module's docstring)."""
@@ -85,6 +86,13 @@ class TrialIndex:
     def count(self, *states: str) -> int:
         return sum(len(self._by_state.get(state, ())) for state in states)
 
+    def take_changed(self) -> list[TrialRecord]:
+        """The records that changed since the last call (those still on disk), by number: what a
+        reader that keeps its own totals needs, at a cost that follows the changes, not the sweep."""
+        names, self._changed = self._changed, set()
+        found = [self._by_state[self._state_of[n]][n] for n in names if n in self._state_of]
+        return sorted(found, key=lambda r: (r.number, r.id))
+
     # --- keeping it current -------------------------------------------------------------------------
 
     def _read_journal(self) -> set[str] | None:
@@ -117,6 +125,7 @@ class TrialIndex:
         if self._signatures.get(name) == signature:
             return
         self._drop(name)
+        self._changed.add(name)
         self._signatures[name] = signature
         self._state_of[name] = record.state
         self._by_state.setdefault(record.state, {})[name] = record

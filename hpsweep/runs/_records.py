@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
+from hpsweep.runs._model_folder import README, best_run_readme, copy_model, model_kind_of
 
 TRIAL_FILE = "trial.json"
 #: One line (a run folder's name) each time a record is written: how ledgers learn what changed.
@@ -248,11 +248,12 @@ def best_records(records: Sequence[TrialRecord], directions: Sequence[str]) -> l
     ]
 
 
-def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
+def promote_if_best(output_dir: Path, record: TrialRecord, *, where: str | None = None) -> bool:
     """Make ``record`` the sweep's best run if it beats the current one; returns whether it did.
 
     Runs under a file lock, so parallel workers and processes never interleave promotions.
-    ``best/`` gets a copy of the trial's checkpoint (swapped in atomically) with a README.md.
+    ``best/`` (swapped in atomically) gets the model's files of the trial's checkpoint, not its
+    training state, with a README.md whose usage loads it from ``where`` (``out/best``).
     """
     from filelock import FileLock
 
@@ -268,21 +269,13 @@ def promote_if_best(output_dir: Path, record: TrialRecord) -> bool:
         best = BestRun.from_record(record)
         if best.checkpoint and Path(best.checkpoint).is_dir():
             with atomic_dir(output_dir / BEST_DIR) as tmp:
-                shutil.copytree(
-                    best.checkpoint, tmp, dirs_exist_ok=True, copy_function=_link_or_copy
+                copy_model(Path(best.checkpoint), tmp)
+                readme = best_run_readme(
+                    best, model_kind_of(tmp), where or f"{output_dir.name}/{BEST_DIR}"
                 )
-                (tmp / "README.md").write_text(best_run_readme(best))
+                (tmp / README).write_text(readme, encoding="utf-8")
         write_json(output_dir / BEST_FILE, best.to_dict())
         return True
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard-link a checkpoint file (instant, no extra disk: checkpoint files are never modified
-    after their folder is renamed into place, and rotation only unlinks them); copy across devices."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def read_best(output_dir: Path) -> BestRun | list[BestRun] | None:
@@ -292,18 +285,6 @@ def read_best(output_dir: Path) -> BestRun | list[BestRun] | None:
     if isinstance(data, list):
         return [BestRun(**d) for d in data]
     return BestRun(**data)
-
-
-def best_run_readme(best: BestRun) -> str:
-    """A short README for ``best/``: where it came from and how to load it."""
-    params = "\n".join(f"| `{k}` | `{v}` |" for k, v in best.hyperparameters.items())
-    name = best.run_summary.get("objective_name", "objective")
-    return (
-        f"# Best run: {Path(best.run_dir).name}\n\n"
-        f"{name} = {best.objective}\n\n| parameter | value |\n| --- | --- |\n{params}\n\n"
-        "Load the weights with `safetensors.torch.load_model(model, 'model.safetensors')`"
-        " (or `from_pretrained(this_folder)` for Hugging Face models).\n"
-    )
 
 
 def params_json(params: Mapping[str, Any]) -> str:

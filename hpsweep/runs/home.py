@@ -15,15 +15,15 @@ per URL, so a rerun here continues), and the home receives, as they are made:
 - ``trial.json`` (when the trial starts and when it ends) and ``error.log``, with ``run_dir`` naming
   the run at the home (``s3://bucket/sweep/run-3``);
 - ``best/`` and ``best_run.json`` when a trial beats the home's current best (compared with the
-  home's ``best_run.json``, whichever machine wrote it): ``best/``'s files first, its README.md,
-  then ``best_run.json``.
+  home's ``best_run.json``, whichever machine wrote it): ``best/``'s files first (the model's
+  files of the trial's checkpoint, not its training state), its README.md, then ``best_run.json``.
 
 Two machines that finish at once may both find their trial better than the home's best and both
 write; the last ``best_run.json`` written wins, and ``best/`` may hold files of both for a moment.
 So each command ends with `RemoteHome.settle`: it reads every ``trial.json`` at the home and, when
-``best_run.json`` does not hold the best of them, copies that trial's uploaded checkpoint into
-``best/`` (a copy inside the store) and rewrites ``best_run.json``. Whichever command ends last
-leaves the study's best there.
+``best_run.json`` does not hold the best of them, copies the model's files of that trial's
+uploaded checkpoint into ``best/`` (a copy inside the store) and rewrites ``best_run.json``.
+Whichever command ends last leaves the study's best there.
 
 Built on fsspec (s3fs for ``s3://``, gcsfs for ``gs://``), not on pyarrow's filesystems or Optuna's
 artifact stores: fsspec is already installed with huggingface_hub, reads credentials the way each
@@ -44,9 +44,21 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hpsweep import faults
 from hpsweep.errors import UserError
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
 from hpsweep.runs._checkpoints import CHECKPOINT_PREFIX, checkpoints
+from hpsweep.runs._model_folder import (
+    ARGS_FILE,
+    README,
+    ModelKind,
+    best_run_readme,
+    clean_args,
+    is_model_file,
+    model_files,
+    model_kind,
+    model_kind_of,
+)
 from hpsweep.runs._records import (
     BEST_DIR,
     BEST_FILE,
@@ -55,7 +67,6 @@ from hpsweep.runs._records import (
     BestRun,
     TrialRecord,
     best_records,
-    best_run_readme,
     is_better,
     promote_if_best,
     safe_name,
@@ -170,6 +181,7 @@ class RemoteHome(Home):
         remote = f"{self.root}/{run_dir.name}/{checkpoint_dir.name}"
         self._rm_marker(remote)  # a checkpoint of that name written again
         self._put_folder(checkpoint_dir, remote)
+        faults.reached("uploading")
         self.fs.pipe_file(f"{remote}/{COMPLETE}", b"{}\n")
         self._drop_rotated(run_dir)
 
@@ -215,6 +227,8 @@ class RemoteHome(Home):
         place whole) and, when missing here, its ``trial.json`` and ``error.log``."""
         local, remote = self.local / run_name, f"{self.root}/{run_name}"
         keys = self._find(remote)
+        # a trial stopped before its first checkpoint has only its records at the home
+        local.mkdir(parents=True, exist_ok=True)
         for name in sorted(_complete_checkpoints(keys, remote)):
             if not (local / name).is_dir():
                 self._get_folder(keys, f"{remote}/{name}", local / name)
@@ -254,7 +268,7 @@ class RemoteHome(Home):
         from filelock import FileLock
 
         here = Path(record.run_dir).parent
-        promote_if_best(here, record)
+        promote_if_best(here, record, where=self._where)
         with FileLock(str(here / ".best-home.lock")):  # this machine's workers, one at a time
             if len(record.directions) > 1:
                 return self._write_front()
@@ -265,9 +279,22 @@ class RemoteHome(Home):
             checkpoint = Path(record.run_dir) / record.checkpoint if record.checkpoint else None
             best = self._best_at_home(record)
             if checkpoint is not None and checkpoint.is_dir():
-                self._replace_best_dir(self._put_folder(checkpoint, self._best), best)
+                names = self._put_model(checkpoint)
+                self._replace_best_dir(names, best, model_kind_of(checkpoint))
             self.fs.pipe_file(f"{self.root}/{BEST_FILE}", _json_bytes(best.to_dict()))
             return True
+
+    def _put_model(self, checkpoint: Path) -> list[str]:
+        """The model's files of ``checkpoint`` into ``best/`` (not its training state; the
+        arguments without secrets); returns their names."""
+        names = model_files(checkpoint)
+        files = [n for n in names if n != ARGS_FILE]
+        if files:
+            self.fs.put([str(checkpoint / n) for n in files], [f"{self._best}/{n}" for n in files])
+        if ARGS_FILE in names:
+            args = clean_args((checkpoint / ARGS_FILE).read_bytes())
+            self.fs.pipe_file(f"{self._best}/{ARGS_FILE}", args)
+        return names
 
     def settle(self) -> None:
         """Put the best of every trial at the home into ``best/`` and ``best_run.json`` if a race
@@ -302,20 +329,32 @@ class RemoteHome(Home):
         keys = self._find(f"{run}/{record.checkpoint}") if record.checkpoint else []
         if f"{run}/{record.checkpoint}/{COMPLETE}" in keys:
             source = f"{run}/{record.checkpoint}"
-            files = [k for k in keys if not k.endswith("/" + COMPLETE)]
-            names = [k[len(source) + 1 :] for k in files]
-            self.fs.copy(files, [f"{self._best}/{n}" for n in names])
-            self._replace_best_dir(names, winner)
+            names = self._copy_model(source, [k[len(source) + 1 :] for k in keys])
+            kind = model_kind(names, lambda name: self.fs.open(f"{source}/{name}", "rb"))
+            self._replace_best_dir(names, winner, kind)
         self.fs.pipe_file(f"{self.root}/{BEST_FILE}", _json_bytes(winner.to_dict()))
 
-    def _replace_best_dir(self, names: list[str], best: BestRun) -> None:
+    def _copy_model(self, source: str, names: list[str]) -> list[str]:
+        """The model's files among ``names`` of the checkpoint at ``source`` into ``best/``, copied
+        inside the store (the arguments without secrets); returns their names."""
+        names = [n for n in names if is_model_file(n)]
+        files = [n for n in names if n != ARGS_FILE]
+        if files:
+            self.fs.copy([f"{source}/{n}" for n in files], [f"{self._best}/{n}" for n in files])
+        if ARGS_FILE in names:
+            args = clean_args(self.fs.cat_file(f"{source}/{ARGS_FILE}"))
+            self.fs.pipe_file(f"{self._best}/{ARGS_FILE}", args)
+        return names
+
+    def _replace_best_dir(self, names: list[str], best: BestRun, kind: ModelKind) -> None:
         """After the new files are in ``best/``: drop those of the run it held before, then write
         the README (last: it names the run whose files are there)."""
-        keep = {f"{self._best}/{n}" for n in names} | {f"{self._best}/README.md"}
+        keep = {f"{self._best}/{n}" for n in names} | {f"{self._best}/{README}"}
         stale = [k for k in self._find(self._best) if k not in keep]
         if stale:
             self.fs.rm(stale)
-        self.fs.pipe_file(f"{self._best}/README.md", best_run_readme(best).encode())
+        readme = best_run_readme(best, kind, self._where)
+        self.fs.pipe_file(f"{self._best}/{README}", readme.encode())
 
     def _write_front(self, records: list[TrialRecord] | None = None) -> bool:
         """Several directions: ``best_run.json`` is the Pareto front of every trial at the home."""
@@ -357,6 +396,11 @@ class RemoteHome(Home):
     @property
     def _best(self) -> str:
         return f"{self.root}/{BEST_DIR}"
+
+    @property
+    def _where(self) -> str:
+        """``best/`` as the card's usage names it: the folder a download of it makes."""
+        return f"{self.root.rsplit('/', 1)[-1]}/{BEST_DIR}"
 
     def _read_best(self) -> Any:
         data = self._cat(f"{self.root}/{BEST_FILE}")

@@ -15,7 +15,7 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.search.backends._base import SearchSettings
 from hpsweep.search.objective import function_name
-from hpsweep.train.arguments import TrainingArguments
+from hpsweep.train.arguments import REPORT_TO_PACKAGES, TrainingArguments
 from hpsweep.train.callbacks import TrainerCallback
 from hpsweep.train.metrics import metric_value
 from hpsweep.trial import Trial
@@ -107,11 +107,14 @@ def objective_value(
         ) from None
 
 
-#: transformers' ``report_to`` names that hpsweep tracks a sweep for, as sweep callbacks:
-#: name -> (module, class). Looked up by name, as `hpsweep.search.backends.BACKENDS` is, so the
-#: search layer never imports an integration.
+#: transformers' ``report_to`` names that hpsweep feeds each trial of a sweep to, as sweep
+#: callbacks: name -> (module, class). Looked up by name, as `hpsweep.search.backends.BACKENDS`
+#: is, so the search layer never imports an integration. `TrainingArguments` refuses the other
+#: names, and names whose package is missing (`REPORT_TO_PACKAGES`).
 REPORT_TO: dict[str, tuple[str, str]] = {
     "mlflow": ("hpsweep.integrations.mlflow", "MLflowTracker"),
+    "tensorboard": ("hpsweep.integrations.tensorboard", "TensorBoardTracker"),
+    "wandb": ("hpsweep.integrations.wandb_runs", "WandbRuns"),
 }
 
 
@@ -167,13 +170,17 @@ def trial_arguments(args: TrainingArguments, output_dir: Path) -> TrainingArgume
 
 
 def report_to_callbacks(report_to: Any, given: Sequence[SweepCallback]) -> list[SweepCallback]:
-    """The sweep callbacks ``report_to`` names (``"all"``: every one in `REPORT_TO`), each one
-    made with its defaults, as transformers' callbacks read their settings from the environment
-    (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``), unless one of its class is given."""
+    """The sweep callbacks ``report_to`` names (``"all"``: every one in `REPORT_TO` whose package
+    is installed, as transformers does), each one made with its defaults, as transformers'
+    callbacks read their settings from the environment (``MLFLOW_TRACKING_URI``,
+    ``WANDB_PROJECT``), unless one of its class is given."""
     import importlib
+    import importlib.util
 
     named = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    wanted = list(REPORT_TO) if "all" in named else [n for n in named if n in REPORT_TO]
+    wanted = [n for n in named if n in REPORT_TO]
+    if "all" in named:
+        wanted = [n for n in REPORT_TO if importlib.util.find_spec(REPORT_TO_PACKAGES[n])]
     made: list[SweepCallback] = []
     for name in wanted:
         module, cls_name = REPORT_TO[name]

@@ -35,6 +35,7 @@ from hpsweep.devices.processes import (
 )
 from hpsweep.errors import (
     DiskFull,
+    EndedOutside,
     Interrupted,
     TakenOver,
     TrialFailed,
@@ -119,8 +120,14 @@ class TrialLoop:
             claim.lease.release()
 
     def check_failures(self) -> None:
-        """End the sweep in one line once ``max_failed_trials`` trials of this command failed."""
-        failed = self.ledger.failures_since(self.started)
+        """End the sweep in one line once ``max_failed_trials`` trials of this command failed.
+        A trial ended from outside the sweep (optuna-dashboard's Fail button) is failed by hand,
+        not by the sweep: it does not count."""
+        failed = [
+            r
+            for r in self.ledger.failures_since(self.started)
+            if not (r.error or "").startswith(f"{EndedOutside.__name__}:")
+        ]
         limit = self.settings.max_failed_trials
         if len(failed) >= limit:
             last = failed[-1]

@@ -1,15 +1,21 @@
-"""Live progress of a sweep, read from the trial records on disk.
+"""Live progress of a sweep, read from the trial records on disk (and the study's counts, when
+machines share it).
 
 Reading ``run-*/trial.json`` (through a `runs.TrialIndex`, so only records that changed) works the
-same for every backend and every process or node that writes there, so the display needs no hook in them.
+same for every backend and every process or node that writes there, so the display needs no hook
+in them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +27,19 @@ STATE_STYLE = {"complete": "green", "pruned": "yellow", "failed": "red", "stoppe
 class SweepProgress:
     """A rich progress bar (trials done, best so far, time left) and one line per finished trial.
 
-    The bar is redrawn as often as the records are read (every ``interval`` s), not at rich's
-    default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with.
+    The counts are the sweep's: ``done`` (complete and pruned trials, what ``--n-trials`` counts)
+    against ``n_trials``, with failed, stopped and running trials apart. On one machine they come
+    from the records in ``output_dir``; a sweep whose machines share a database passes ``counts``,
+    which reads the study (at most every ``counts_every`` s, and for each line), so that every
+    machine shows the whole sweep, not its own trials.
+
+    Each tick costs what changed since the last, not what the sweep holds: the records come from a
+    `runs.TrialIndex`'s changes, the best is kept as trials end, the counts are the index's (or the
+    study's). The bar is redrawn as often as the records are read (every ``interval`` s), not at
+    rich's default 10 Hz: a redraw in a terminal costs ~0.7 ms of the GIL that trials train with.
     Off a terminal (a log file, a pipe, a cluster job's log) there is no bar: each trial's line is
-    written whole, with the count, the best so far and the time left at its end; rich is imported
-    when the first line is (~20 ms of the GIL the first trial would otherwise train without)."""
+    written whole, with the counts, the best so far and the time left at its end; rich is imported
+    when the first line is."""
 
     def __init__(
         self,
@@ -36,15 +50,21 @@ class SweepProgress:
         directions: list[str],
         objective_name: str,
         interval: float = 0.5,
+        counts: Callable[[], Counts] | None = None,
+        counts_every: float = 2.0,
     ) -> None:
         self.output_dir, self.n_trials, self.timeout = output_dir, n_trials, timeout
         self.directions, self.objective_name, self.interval = directions, objective_name, interval
         # rich decides now: the bar shows from the start
         self._console: Any = _console() if _may_draw() else None
         self._progress: Any = None
-        self._printed: set[str] = set()
         # its own: it is refreshed on the display's thread
         self._index = runs.TrialIndex(output_dir)
+        self._ended: set[str] = set()
+        self._best = _Best(directions)
+        self._study_counts, self._counts_every = counts, counts_every
+        self._counts: Counts | None = None
+        self._counted_at = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -57,9 +77,12 @@ class SweepProgress:
 
     def start(self) -> None:
         self._start = time.monotonic()
-        self._finished_before = {
-            r.id for r in runs.read_trials(self.output_dir) if r.state != "running"
-        }
+        self._index.refresh(verify=True)
+        for r in self._index.take_changed():  # what earlier commands finished: no lines for them
+            self._best.offer(r)
+            if r.state != "running":
+                self._ended.add(r.id)
+        self._done_at_start = self._read_counts(force=True).done
         if self._console is not None and (self._console.is_terminal or self._console.is_jupyter):
             self._start_bar()
         self._thread = threading.Thread(target=self._loop, name="hpsweep-progress", daemon=True)
@@ -79,20 +102,23 @@ class SweepProgress:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("{task.fields[apart]}"),
             TextColumn("{task.fields[left]}"),
             TextColumn("{task.fields[best]}"),
             console=self.console,
             transient=True,
             refresh_per_second=1 / self.interval,
         )
-        self._task = self._progress.add_task("sweep", total=self.n_trials, left="", best="")
+        self._task = self._progress.add_task(
+            "sweep", total=self.n_trials, apart="", left="", best=""
+        )
         self._progress.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            self._tick()
+            self._tick(final=True)
             if self._progress is not None:
                 self._progress.stop()
 
@@ -103,36 +129,72 @@ class SweepProgress:
             except Exception:  # a display must never take a sweep down
                 pass
 
-    def _tick(self) -> None:
-        records = self._read()
-        done = sorted(
-            (r for r in records if r.state != "running"), key=lambda r: r.finished_at or 0
-        )
-        for r in done:
-            if r.id not in self._printed and r.id not in self._finished_before:
-                self._print_trial(r, done)
-                self._printed.add(r.id)
+    def _tick(self, final: bool = False) -> None:
+        self._index.refresh()
+        ended = []
+        for r in self._index.take_changed():
+            if r.state != "running" and r.id not in self._ended:
+                self._ended.add(r.id)
+                ended.append(r)
+            else:
+                self._best.offer(r)
+        counts = self._read_counts(force=final or bool(ended)).including(ended)
+        ended.sort(key=lambda r: r.finished_at or 0)
+        for i, r in enumerate(ended):
+            self._best.offer(r)
+            self._print_trial(r, counts.before(ended[i + 1 :]))
         if self._progress is not None:
-            best_text, left = self._best_text(records), self._time_left(done)
-            self._progress.update(self._task, completed=len(done), best=best_text, left=left)
+            self._progress.update(
+                self._task,
+                completed=counts.done,
+                apart=counts.apart(),
+                best=self._best_text(counts),
+                left=self._time_left(counts),
+            )
 
-    def _best_text(self, records: list[runs.TrialRecord]) -> str:
-        best = runs.best_records(records, self.directions)
-        if len(self.directions) == 1 and best:
-            return f"best {self.objective_name}={_fmt(best[0].objective)} ({Path(best[0].run_dir).name})"
-        return f"Pareto front: {len(best)} trials" if best else ""
+    def _read_counts(self, force: bool) -> Counts:
+        """The sweep's counts: the study's (when given; read again after ``counts_every`` s or
+        when ``force``d) or, failing that, the records'."""
+        now = time.monotonic()
+        if self._study_counts is not None and (
+            force or now - self._counted_at >= self._counts_every
+        ):
+            self._counted_at = now
+            try:
+                self._counts = self._study_counts()
+            except Exception:  # the database away: the last counts, or this folder's
+                pass
+        if self._counts is not None:
+            return self._counts
+        index = self._index
+        return Counts(
+            done=index.count("complete", "pruned"),
+            failed=index.count("failed"),
+            stopped=index.count("stopped"),
+            running=index.count("running"),
+        )
 
-    def _time_left(self, done: list[runs.TrialRecord]) -> str:
+    def _best_text(self, counts: Counts) -> str:
+        """The best of the study (when the counts know it) or of the records seen here."""
+        here = self._best.front[0] if len(self.directions) == 1 and self._best.front else None
+        if counts.best is not None and not (
+            here and runs.is_better(here.objective, counts.best[0], self.directions[0])
+        ):
+            value, number = counts.best
+            return f"best {self.objective_name}={_fmt(value)} (trial {number})"
+        return self._best.text(self.objective_name)
+
+    def _time_left(self, counts: Counts) -> str:
         elapsed = time.monotonic() - self._start
-        new = [r for r in done if r.id not in self._finished_before]
+        new = counts.done - self._done_at_start
         estimates = []
         if self.timeout:
             estimates.append(max(0.0, self.timeout - elapsed))
-        if self.n_trials and new:
-            estimates.append(elapsed / len(new) * max(0, self.n_trials - len(done)))
+        if self.n_trials and new > 0:
+            estimates.append(elapsed / new * max(0, self.n_trials - counts.done))
         return f"~{_duration(min(estimates))} left" if estimates else ""
 
-    def _print_trial(self, r: runs.TrialRecord, done: list[runs.TrialRecord]) -> None:
+    def _print_trial(self, r: runs.TrialRecord, counts: Counts) -> None:
         style = STATE_STYLE.get(r.state, "white")
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r.params.items())
         if r.objective is not None:
@@ -145,20 +207,92 @@ class SweepProgress:
         if self.console.is_terminal:  # one screen line under the bar
             self.console.print(line, highlight=False, no_wrap=True, overflow="ellipsis")
             return
-        # A log keeps every param, on one line, and what the bar would show as of this trial's end.
-        so_far = done[: done.index(r) + 1]
+        # A log keeps every param, on one line, and what the bar would show as this trial ends.
         status = (
-            f"{len(so_far)}/{self.n_trials or '?'} done",
-            self._best_text(so_far),
-            self._time_left(so_far),
+            f"{counts.done}/{self.n_trials or '?'} done",
+            counts.apart(),
+            self._best_text(counts),
+            self._time_left(counts),
         )
         self.console.print(
             f"{line}  ({', '.join(filter(None, status))})", highlight=False, soft_wrap=True
         )
 
-    def _read(self) -> list[runs.TrialRecord]:
-        self._index.refresh()
-        return self._index.records()
+
+@dataclass(frozen=True)
+class Counts:
+    """A sweep's trials by how they stand: ``done`` counts towards ``--n-trials``; ``failed``
+    trials were replaced; ``stopped`` ones run again; ``best`` is (objective, trial number) when
+    the counts come from a study that knows it."""
+
+    done: int = 0
+    failed: int = 0
+    stopped: int = 0
+    running: int = 0
+    best: tuple[float, int] | None = None
+    #: when a study's counts were read (this machine's clock); None for the records' own counts
+    as_of: float | None = None
+
+    def including(self, ended: list[runs.TrialRecord]) -> Counts:
+        """A study's counts with the ``ended`` trials that ended after they were read."""
+        late = Counter(r.state for r in ended if self.as_of and (r.finished_at or 0) > self.as_of)
+        if not late:
+            return self
+        return dataclasses.replace(
+            self,
+            done=self.done + late["complete"] + late["pruned"],
+            failed=self.failed + late["failed"],
+            stopped=self.stopped + late["stopped"],
+            running=max(0, self.running - sum(late.values())),
+        )
+
+    def before(self, later: list[runs.TrialRecord]) -> Counts:
+        """These counts as they stood before the ``later`` trials ended (a log's line for each of
+        several trials that ended between two looks shows the count at its own end)."""
+        if not later:
+            return self
+        states = Counter(r.state for r in later)
+        return dataclasses.replace(
+            self,
+            done=max(0, self.done - states["complete"] - states["pruned"]),
+            failed=max(0, self.failed - states["failed"]),
+            stopped=max(0, self.stopped - states["stopped"]),
+        )
+
+    def apart(self) -> str:
+        """The trials that do not count, as a few words (empty when there are none)."""
+        parts = [
+            f"{n} {word}"
+            for n, word in (
+                (self.running, "running"),
+                (self.failed, "failed"),
+                (self.stopped, "to run again"),
+            )
+            if n
+        ]
+        return ", ".join(parts)
+
+
+class _Best:
+    """The best complete trial (the Pareto front for several directions), kept as trials end."""
+
+    def __init__(self, directions: list[str]) -> None:
+        self.directions = directions
+        self.front: list[runs.TrialRecord] = []
+
+    def offer(self, record: runs.TrialRecord) -> None:
+        """Take in a record that changed (a trial run again replaces its earlier self)."""
+        others = [r for r in self.front if r.id != record.id]
+        if record.state == "complete" and record.objective is not None:
+            self.front = runs.best_records([*others, record], self.directions)
+        elif len(others) < len(self.front):  # rare: a best trial runs again
+            self.front = others
+
+    def text(self, objective_name: str) -> str:
+        if len(self.directions) == 1 and self.front:
+            best = self.front[0]
+            return f"best {objective_name}={_fmt(best.objective)} ({Path(best.run_dir).name})"
+        return f"Pareto front: {len(self.front)} trials" if self.front else ""
 
 
 def _console() -> Any:

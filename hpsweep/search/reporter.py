@@ -7,6 +7,13 @@ from typing import Any
 
 from hpsweep.train.callbacks import TrainerCallback, TrainerControl, TrainerState
 
+#: Keys of ``Trial.user_attrs`` that say where a running trial's files and runs are, for a
+#: backend to show them (Optuna's study forwards them as user attributes, for optuna-dashboard):
+#: the run folder, the latest checkpoint (set here) and the MLflow run (set by the MLflow tracker).
+RUN_DIR = "run_dir"
+CHECKPOINT = "checkpoint"
+MLFLOW_RUN_ID = "mlflow_run_id"
+
 
 class TrialReporter(TrainerCallback):
     """Reports each evaluation to the `Trial` and stops the run when the backend prunes it.
@@ -19,6 +26,12 @@ class TrialReporter(TrainerCallback):
 
     The run's last evaluation is reported but never offered for pruning: the trial has done all
     its work by then, so it is complete (recorded so) and stopping it would save nothing.
+
+    The metrics reported carry the evaluation's training ``step``, the one axis of a sweep: the
+    backend keys its intermediate values by it, as every logger does (docs/watching.md).
+
+    It also notes in the trial's ``user_attrs`` where the run's files are (`RUN_DIR`,
+    `CHECKPOINT`), for the backend to show with the next report.
     """
 
     def __init__(self, trial: Any, objective: Callable[[Mapping[str, float]], Any]) -> None:
@@ -27,6 +40,11 @@ class TrialReporter(TrainerCallback):
         self.pruned = False
         self.reads_checkpoints = getattr(trial, "reads_checkpoints", True)
         self._pending: tuple[int, dict[str, float], Any, bool] | None = None
+
+    def on_train_begin(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.trial.user_attrs[RUN_DIR] = str(args.output_dir)
 
     def on_evaluate(
         self,
@@ -40,7 +58,8 @@ class TrialReporter(TrainerCallback):
         # The last evaluation: training reached max_steps, or stops after this evaluation anyway
         # (an earlier callback such as early stopping said so), or runs after training ended.
         last = control.should_training_stop or state.global_step >= state.max_steps
-        self._pending = (state.num_evaluations, dict(metrics), self.objective(metrics), last)
+        reported = {**metrics, "step": state.global_step}
+        self._pending = (state.num_evaluations, reported, self.objective(metrics), last)
         if not (control.should_save and self.reads_checkpoints):
             self._deliver(control, None)
             if self.pruned:
@@ -56,6 +75,7 @@ class TrialReporter(TrainerCallback):
         checkpoint: str,
         **kwargs: Any,
     ) -> None:
+        self.trial.user_attrs[CHECKPOINT] = str(checkpoint)
         if self._pending is not None:
             self._deliver(control, checkpoint)
 

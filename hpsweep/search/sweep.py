@@ -388,7 +388,7 @@ def run_sweep(
     # before the folder: a runner may refuse the settings
     runner = (make_runner or _trial_runner)(job, settings)
     output_dir = settings.output_dir
-    existed = open_output_dir(output_dir, settings.study_name)
+    made = open_output_dir(output_dir, settings.study_name)
     progress = None
     if show_progress:
         from hpsweep.search.progress import SweepProgress
@@ -399,6 +399,7 @@ def run_sweep(
             timeout=settings.timeout,
             directions=settings.directions,
             objective_name=job.objective_name,
+            counts=chosen.progress_counts(),
         )
     finished = False
     records: list[runs.TrialRecord] = []
@@ -411,8 +412,8 @@ def run_sweep(
         chosen.run(TrialLoop(runner, settings, chosen.ledger()))
         finished = True
     except UserError:
-        if not existed and not runs.read_trials(output_dir):
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if not runs.read_trials(output_dir):
+            made.remove()
         raise
     finally:
         if progress:
@@ -453,10 +454,43 @@ def settle_home(job: SweepJob) -> None:
         )
 
 
-def open_output_dir(output_dir: Path, study_name: str) -> bool:
+@dataclass(frozen=True)
+class MadeHere:
+    """What `open_output_dir` found before it wrote anything, so that a refusal takes back only
+    what this command made: the first folder it created, or the entries it added to a folder
+    that was there already (empty or not), which stays."""
+
+    output_dir: Path
+    #: the outermost folder this command created (the output folder or one above it), if any
+    created: Path | None
+    #: the output folder's entries before, when it existed
+    entries: frozenset[str]
+
+    def remove(self) -> None:
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            return
+        for path in self.output_dir.iterdir():
+            if path.name not in self.entries:
+                remove_path(path)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def open_output_dir(output_dir: Path, study_name: str) -> MadeHere:
     """Create the sweep's folder (or finish what a crash left half-swapped in it) and name its
-    study there; returns whether it held anything before."""
-    existed = output_dir.exists() and any(output_dir.iterdir())
+    study there; returns what was there before."""
+    missing = [p for p in (output_dir, *output_dir.parents) if not p.exists()]
+    made = MadeHere(
+        output_dir,
+        created=missing[-1] if missing else None,
+        entries=frozenset(p.name for p in output_dir.iterdir()) if not missing else frozenset(),
+    )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -465,4 +499,4 @@ def open_output_dir(output_dir: Path, study_name: str) -> bool:
         ) from None
     runs.recover_interrupted_swaps(output_dir)
     runs.write_text(output_dir / STUDY_FILE, study_name + "\n")  # checked by check_one_study
-    return existed
+    return made

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpsweep import devices, runs
+from hpsweep import devices, faults, runs
 from hpsweep.devices import memory
 from hpsweep.errors import DiskFull, TakenOver, TrialFailed, TrialPruned, UserError
 from hpsweep.search.reporter import TrialReporter
@@ -97,6 +97,7 @@ class TrialRunner:
                 for sc in job.sweep_callbacks:
                     sc.on_trial_end(record)
         job.runs_home.promote_best(record)
+        faults.reached("ended")
         return record.objective  # type: ignore[return-value]
 
     def _build(self, trial: Trial) -> _Prebuilt | BaseException:
@@ -171,9 +172,11 @@ class TrialRunner:
         record how it ended; a pruned trial raises `TrialPruned` once recorded."""
         job = self.job
         args = _trial_args(job, trial.params, run_dir)
+        faults.reached("claimed")
         record.save()
         if job.home is not None:
             job.home.upload_record(run_dir)
+        faults.reached("recorded")
         if not isinstance(built, _Prebuilt):
             raise built
         extra = [cb for sc in job.sweep_callbacks for cb in sc.trial_callbacks(trial, record)]
@@ -186,6 +189,7 @@ class TrialRunner:
             outcome = train_data_parallel(self, trial, built, args, extra, resume_from)
         else:
             outcome = self.train_here(trial, built, args, extra, resume_from)
+        faults.reached("checkpointed")
         # define-by-run model_init(trial) may have added some
         record.params = dict(trial.params)
         record.history = outcome.history

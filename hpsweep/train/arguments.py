@@ -19,7 +19,6 @@ import json
 import math
 import types
 import typing
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +83,9 @@ PUSH_FIX = (
 #: ("every_save", "end"), never checkpoints with their training state (the other two).
 HUB_STRATEGIES = ("every_save", "end", "checkpoint", "all_checkpoints")
 PUSHES_CHECKPOINTS = ("checkpoint", "all_checkpoints")
+#: transformers' ``report_to`` names a sweep feeds per trial, and the package each one needs
+#: (``"all"``: those installed). transformers' other names (comet_ml, clearml, ...) are refused.
+REPORT_TO_PACKAGES = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}
 #: transformers' ddp_backend values (torch.distributed's backends)
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl")
 #: Names of transformers 4 a user may pass that we refuse, with the fix (the rest get a generic
@@ -263,8 +265,8 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     gradient_checkpointing: bool | None = None  # transformers 4's name of activation_checkpointing
     gradient_checkpointing_kwargs: dict | None = None
     include_inputs_for_metrics: bool = False  # transformers 4's include_for_metrics=["inputs"]
-    report_to: str | list | None = "none"  # accepted; tracking is --mlflow, see docs/tracking.md
-    logging_dir: str | None = None  # accepted; hpsweep writes no TensorBoard logs
+    report_to: str | list | None = "none"  # a sweep's trackers, see docs/watching.md
+    logging_dir: str | None = None  # accepted; TensorBoard logs go in each trial's run folder
     do_train: bool = False  # accepted and unused, as by transformers' Trainer
     do_eval: bool = False
     do_predict: bool = False
@@ -433,13 +435,9 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
             raise UserError(
                 f"report_to={self.report_to!r}: give 'none', 'all' or a list of integration names"
             )
-        named = {self.report_to} if isinstance(self.report_to, str) else set(self.report_to or [])
-        if named - {"none", "all", "mlflow"}:
-            warnings.warn(
-                f"report_to={self.report_to!r}: hpsweep starts no integration but MLflow's, which tracks a "
-                "sweep with report_to='mlflow' (as --mlflow does)",
-                stacklevel=4,  # the code that built the arguments, past __post_init__ and _check
-            )
+        named = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
+        for name in named:
+            _check_report_to(name)
 
     def _check_numbers(self) -> None:
         """The run's length, and the sizes, rates and factors that have a valid range."""
@@ -660,6 +658,21 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise UserError(
             f"{name}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}"
         )
+
+
+def _check_report_to(name: str) -> None:
+    """One ``report_to`` name: one a sweep feeds per trial, with its package installed."""
+    if name in ("none", "all"):
+        return
+    if name not in REPORT_TO_PACKAGES:
+        raise UserError(
+            f"report_to={name!r}: a sweep reports each trial to 'tensorboard', 'wandb' or "
+            f"'mlflow'; name those ('all': every one installed) or 'none'"
+            f"{did_you_mean(name, tuple(REPORT_TO_PACKAGES))}"
+        )
+    package = REPORT_TO_PACKAGES[name]
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"report_to={name!r} needs {package}: pip install {package}")
 
 
 def _positive(name: str, value: float) -> None:

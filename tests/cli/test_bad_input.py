@@ -187,3 +187,20 @@ def test_a_changed_space_on_an_existing_study(tmp_path: Path) -> None:
         hpsweep_cli("run", changed, "--n-trials", "2"), "space['hidden']", "another --study-name"
     )
     assert [r.state for r in runs.read_trials(tmp_path / "out")] == ["complete"]
+
+
+@pytest.mark.parametrize("held", [[], ["notes.txt"]], ids=["empty", "with a file"])
+def test_a_refusal_keeps_the_output_folder_that_was_there(
+    tmp_path: Path, space_file: Path, held: list[str]
+) -> None:
+    """The storage is refused once the sweep's folder is open: what the command made there goes,
+    the folder the user made stays as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in held:
+        (out / name).write_text("mine\n")
+    proc = hpsweep_cli(
+        "run", space_file, "--storage", "sqlite:////nonexistent-dir/x/study.db", cwd=tmp_path
+    )
+    assert_user_error(proc, "cannot be opened")
+    assert sorted(p.name for p in out.iterdir()) == held

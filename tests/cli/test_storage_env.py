@@ -43,9 +43,26 @@ def test_a_refused_login_is_one_line_without_the_password(tmp_path: Path, postgr
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert f"postgresql://hp:***@127.0.0.1:{postgres.port}/sweeps" in proc.stderr
+    # the line names what the user set, where they can fix it
+    assert f"HPSWEEP_STORAGE=postgresql://hp:***@127.0.0.1:{postgres.port}/sweeps" in proc.stderr
+    assert "--storage" not in proc.stderr
     assert wrong not in proc.stdout + proc.stderr
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_malformed_url_in_the_variable_is_named_by_the_variable(tmp_path: Path) -> None:
+    proc = hpsweep_cli(
+        "run",
+        write_space(tmp_path),
+        "--n-trials",
+        "1",
+        env={"HPSWEEP_STORAGE": "hp:secret-pw-77@127.0.0.1:5432"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith("hpsweep: error: HPSWEEP_STORAGE=hp:***@127.0.0.1:5432 names a server")
+    assert "--storage" not in line and "secret-pw-77" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_flag_wins_over_the_variable(tmp_path: Path) -> None:

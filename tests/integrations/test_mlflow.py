@@ -424,3 +424,108 @@ def test_machines_of_one_sweep_at_an_object_store_share_one_parent_run(
     assert parents[0] is not None and parents[0] == parents[1]
     run = MlflowClient(mlflow_server).get_run(parents[0])
     assert run.data.tags["hpsweep.output_dir"] == "s3://sweeps/shared"
+
+
+def test_a_folder_store_is_refused_in_mlflows_words_until_the_user_opts_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow 3 opens its folder store only for those who opt in: without that, the command stops
+    before any trial with MLflow's whole message (its fix included), and writes nothing."""
+    from mlflow.tracking import MlflowClient
+
+    space = write_space(tmp_path, epochs=1)
+    store = f"file://{tmp_path / 'mlruns'}"
+    command = ("run", space, "--n-trials", "2", "--mlflow", store)
+    proc = hpsweep_cli(*command, env={"MLFLOW_ALLOW_FILE_STORE": "false"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpsweep: error: MLflow refuses")
+    assert "set `MLFLOW_ALLOW_FILE_STORE=true` to opt out" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["space.py"]  # no out/, no mlruns/
+
+    hpsweep_cli(*command, env={"MLFLOW_ALLOW_FILE_STORE": "true"}, check=True)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(store)
+    runs_ = client.search_runs([client.get_experiment_by_name("space").experiment_id])
+    children = {r.info.run_id: r for r in runs_ if "mlflow.parentRunId" in r.data.tags}
+    records = _records(tmp_path / "out").values()
+    assert len(runs_) == 3 and len(children) == 2
+    for record in records:
+        child = children[record["user_attrs"]["mlflow_run_id"]]
+        assert child.data.tags["hpsweep.state"] == record["state"] == "complete"
+        assert child.data.metrics["objective"] == pytest.approx(record["objective"])
+
+
+def test_a_sweep_continued_with_mlflow_logs_the_trials_it_held_once(
+    mlflow_server: str, tmp_path: Path
+) -> None:
+    """Two trials run untracked; the same sweep continued to five with --mlflow logs all five
+    under one parent (the first two from their records), and a third run logs none twice. The
+    tracking URI's password shows nowhere."""
+    from mlflow.tracking import MlflowClient
+
+    password = "mlflowPW-s3cret-71"
+    with_password = mlflow_server.replace("http://", f"http://hp:{password}@")
+    space = write_space(tmp_path, name="continued.py", epochs=2, extra_args=EVAL_EACH_EPOCH)
+    hpsweep_cli("run", space, "--n-trials", "2", "--seed", "0", check=True)
+    command = ("run", space, "--n-trials", "5", "--seed", "0", "--mlflow", with_password)
+    procs = [hpsweep_cli(*command, check=True), hpsweep_cli(*command, check=True)]
+
+    client = MlflowClient(mlflow_server)
+    runs_ = client.search_runs([client.get_experiment_by_name("continued").experiment_id])
+    parents = [r for r in runs_ if r.data.tags.get("hpsweep.role") == "sweep"]
+    children = [r for r in runs_ if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 5
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    by_trial = {c.data.tags["hpsweep.trial_id"]: c for c in children}
+    records = _records(tmp_path / "out")
+    assert set(by_trial) == set(records)
+    for trial_id, record in records.items():
+        child = by_trial[trial_id]
+        assert child.data.tags["hpsweep.state"] == record["state"]
+        assert float(child.data.params["learning_rate"]) == pytest.approx(
+            record["params"]["learning_rate"]
+        )
+        history = client.get_metric_history(child.info.run_id, "eval_accuracy")
+        assert sorted((m.step, m.value) for m in history) == [
+            (h["step"], pytest.approx(h["eval_accuracy"])) for h in record["history"]
+        ]
+    best = json.loads((tmp_path / "out" / "best_run.json").read_text())
+    tagged = [c.info.run_id for c in children if c.data.tags.get("hpsweep.best") == "true"]
+    assert tagged == [by_trial[best["run_id"]].info.run_id]
+    for run in runs_:
+        assert password not in json.dumps([run.data.params, run.data.tags])
+    assert password not in "".join(p.stdout + p.stderr for p in procs)
+
+
+def test_two_machines_starting_on_one_new_sqlite_store_both_track(tmp_path: Path) -> None:
+    """Two commands started at once on a store that does not exist yet: MLflow creates its tables
+    on first use, and both sweeps' trials are tracked."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    commands = []
+    for machine in ("m0", "m1"):
+        (tmp_path / machine).mkdir()
+        space = write_space(tmp_path / machine, epochs=1)
+        argv = ["run", str(space), "--n-trials", "2", "--mlflow", store]
+        commands.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hpsweep.cli", *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for command in commands:
+        out, err = command.communicate(timeout=300)
+        assert command.returncode == 0, err
+        assert "hpsweep: warning" not in err, err  # tracking went on
+    client = MlflowClient(store)
+    runs_ = client.search_runs([client.get_experiment_by_name("space").experiment_id])
+    states = {r.info.run_id: r.data.tags.get("hpsweep.state") for r in runs_}
+    assert len([r for r in runs_ if r.data.tags.get("hpsweep.role") == "sweep"]) == 2
+    for machine in ("m0", "m1"):
+        records = _records(tmp_path / machine / "out").values()
+        assert len(records) == 2
+        assert all(states[r["user_attrs"]["mlflow_run_id"]] == r["state"] for r in records)

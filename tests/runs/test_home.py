@@ -208,7 +208,7 @@ def test_the_home_keeps_the_best_of_every_machine(aws, monkeypatch, tmp_path):
     snap = second.snapshot(tmp_path / "snap", checkpoints=True)
     assert best_weight(snap / "best") == 0.75
     assert sorted(p.name for p in snap.glob("run-*")) == ["run-0", "run-1", "run-2"]
-    assert (snap / "best" / "README.md").read_text().startswith("# Best run: run-1")
+    assert card_of(snap / "best" / "README.md")["best_run"] == "run-1"
 
     # Two machines that finished at once: the worse one wrote last. The command's end sets it right.
     stale = json.dumps({**best, "run_id": "2", "objective": 0.625}).encode()
@@ -221,6 +221,110 @@ def test_the_home_keeps_the_best_of_every_machine(aws, monkeypatch, tmp_path):
     here = runs.read_best(first.local)
     assert here.run_id == "1" and here.run_dir == str(first.local / "run-1")
     assert best_weight(first.local / "best") == 0.75  # run-1 ran on the other machine
+    # the copy inside the store took the model's files of run-1's checkpoint, not its training state
+    at_home = aws.keys("bests", "sweep/best/")
+    assert [k.removeprefix("sweep/best/") for k in at_home] == [
+        "README.md",
+        "model.safetensors",
+        "training_args.json",
+    ]
+    assert card_of(first.local / "best" / "README.md")["best_run"] == "run-1"
+
+
+TOKEN = "hf_testTOKENtestTOKENtestTOKEN1234"
+
+
+def hf_run(home: runs.Home, number: int, objective: float) -> runs.TrialRecord:
+    """A finished trial whose checkpoint holds a tiny transformers text classifier and its
+    tokenizer, with the optimizer, schedule and RNG state a resume needs, and arguments that
+    still hold a token (as an older checkpoint's did)."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, num_labels=3,
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2ForSequenceClassification(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    run_dir = home.local / f"run-{number}"
+    checkpoint = runs.write_checkpoint(
+        run_dir / "checkpoint-4",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state={"global_step": 4},
+        args={"learning_rate": 0.01, "hub_token": TOKEN},
+    )
+    words = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "good": 2}, unk_token="[UNK]"))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="[PAD]", unk_token="[UNK]"
+    ).save_pretrained(checkpoint)  # as the trial's trainer saves its processing_class
+    record = runs.TrialRecord(
+        id=str(number),
+        number=number,
+        backend="optuna",
+        params={"learning_rate": 0.01},
+        state="complete",
+        objective=objective,
+        objective_name="eval_accuracy",
+        directions=["maximize"],
+        checkpoint=checkpoint.name,
+        run_dir=str(run_dir),
+    )
+    record.save()
+    return record
+
+
+def card_of(readme: Path) -> dict:
+    """The ``hpsweep`` entry of a README's metadata block, as huggingface_hub reads it."""
+    from huggingface_hub import ModelCard
+
+    return ModelCard.load(readme).data.hpsweep
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_best_is_a_model_folder_ready_for_the_hub(request, monkeypatch, tmp_path, where):
+    """best/ holds the model, its config and tokenizer and a model card naming its class, as
+    transformers' save_model leaves a folder; the training state stays in the trial's checkpoint.
+    On a local home and in a bucket (read back from another machine) alike."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if where == "bucket":
+        request.getfixturevalue("aws").make_bucket("models")
+        home = machine(monkeypatch, tmp_path, "a", "s3://models/sweep")
+    else:
+        home = runs.open_home(tmp_path / "sweep")
+    record = hf_run(home, 0, 0.75)
+    assert publish(home, record)
+    best = home.local / "best"
+    if where == "bucket":
+        other = machine(monkeypatch, tmp_path, "b", "s3://models/sweep")
+        best = other.snapshot(tmp_path / "snap", checkpoints=True) / "best"
+
+    names = {p.name for p in best.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
+    assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
+    assert runs.resumable(Path(record.run_dir) / record.checkpoint)
+    model, info = AutoModelForSequenceClassification.from_pretrained(best, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == set() and model.num_labels == 3
+    assert AutoTokenizer.from_pretrained(best)("good")["input_ids"] == [2]
+
+    card = ModelCard.load(best / "README.md")
+    assert (card.data.library_name, card.data.pipeline_tag) == (
+        "transformers",
+        "text-classification",
+    )
+    [result] = card.data.eval_results
+    assert (result.metric_name, result.metric_value) == ("eval_accuracy", 0.75)
+    assert card.data.hpsweep["best_trial"] == 0
+    assert card.data.hpsweep["hyperparameters"] == {"learning_rate": 0.01}
+    assert 'AutoModelForSequenceClassification.from_pretrained("sweep/best")' in card.text
+    assert 'AutoTokenizer.from_pretrained("sweep/best")' in card.text
+    assert not any(TOKEN.encode() in p.read_bytes() for p in best.iterdir())
 
 
 def test_the_staging_folder_is_the_same_on_every_run_of_one_machine(aws, tmp_path, monkeypatch):

@@ -4,67 +4,34 @@ dir; the machines share only the database and the sweep's home, as machines with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import optuna
 import pytest
 from optuna.trial import TrialState
-from support import free_port, slow_space, write_space
+from support import slow_space, write_space
+from support.machines import (
+    Machine,
+    postgres_proxy_and_bucket,
+    study_states,
+    sweep_args,
+)
 from support.postgres import PASSWORD
-from support.s3 import s3_server
 from support.sweep_invariants import wait_for
 
 from hpsweep import runs
-from hpsweep.search.backends._study_ledger import BEAT, run_again
+from hpsweep.search.backends._study_ledger import BEAT, UNNEEDED, run_again
 
 pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning"),
 ]
-
-
-class Machine:
-    """An `hpsweep run` on a machine of its own (working folder, HOME, TMPDIR)."""
-
-    def __init__(self, root: Path, name: str, *args: str) -> None:
-        folder = root / name
-        folder.mkdir()
-        env = {**os.environ, "HOME": str(folder), "TMPDIR": str(folder), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpsweep.cli", "run", *args],
-            cwd=folder,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-
-    def finish(self, timeout: float = 240) -> tuple[int, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        assert PASSWORD not in out + err
-        return self.proc.returncode, out + err
-
-
-def sweep_args(space: Path, url: str, study: str, home: Path, n_trials: int) -> list[str]:
-    return [str(space), "--storage", url, "--study-name", study, "--output-dir", str(home)] + [
-        "--n-trials",
-        str(n_trials),
-    ]
-
-
-def study_states(url: str, name: str) -> Counter:
-    study = optuna.load_study(study_name=name, storage=url)
-    return Counter(t.state.name for t in study.trials)
 
 
 def test_machines_share_one_count_one_best_and_one_home(pg, tmp_path):
@@ -124,25 +91,6 @@ def _wait_for_checkpoint(home: Path) -> Path:
     return found()[0].parent
 
 
-@contextlib.contextmanager
-def storage_proxy(url: str) -> Iterator[str]:
-    """Optuna's storage proxy in front of the database ``url``, as its own process."""
-    port = free_port()
-    serve = (
-        "import optuna; optuna.storages.run_grpc_proxy_server("
-        f"optuna.storages.get_storage({url!r}), host='127.0.0.1', port={port})"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.DEVNULL)
-    try:
-        proxy = optuna.storages.GrpcStorageProxy(host="127.0.0.1", port=port)
-        proxy.wait_server_ready(timeout=60)
-        proxy.close()
-        yield f"grpc://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def test_a_dead_machines_trial_is_resumed_by_another_from_its_checkpoint(pg, tmp_path):
     database = pg.create_database("dead")
     _kill_one_machine_and_finish(database, database, tmp_path)
@@ -178,17 +126,6 @@ def test_through_the_proxy_a_dead_machines_trial_resumes_from_the_object_store(
         assert len(again) == 1 and again[0].resumed_from is not None
         states = study_states(database, "s4")
         assert states == {"COMPLETE": 3}  # the dead machine's trial itself ran again
-
-
-@contextlib.contextmanager
-def postgres_proxy_and_bucket(pg, monkeypatch) -> Iterator[tuple[str, str, Any]]:
-    """(the proxy's URL, the database's URL, the S3 server with a bucket ``sweeps``)."""
-    database = pg.create_database("dead_s3")
-    with s3_server() as s3, storage_proxy(database) as url:
-        s3.make_bucket("sweeps")
-        for name, value in s3.env.items():
-            monkeypatch.setenv(name, value)  # every machine reads the store's address from it
-        yield url, database, s3
 
 
 def _kill_one_machine_and_finish(url: str, database: str, tmp_path: Path) -> None:
@@ -314,3 +251,77 @@ def test_two_machines_that_judge_one_dead_trial_put_it_back_once(pg):
     assert taken._trial_id == trial._trial_id and taken.user_attrs["hpsweep_again"] == "0"
     assert not run_again(storage, judged, judged.datetime_start)
     assert storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+
+
+def test_a_trial_left_waiting_by_a_race_for_the_last_place_is_closed_when_the_sweep_ends(
+    pg, tmp_path
+):
+    """Machines that ask at the same moment near the end of a sweep may create a trial with no
+    room left; it waits in case a trial ahead fails. Once the sweep has its trials, the machine
+    that sees it so closes the leftover: no WAITING trial stays in a finished study (the
+    dashboard and ``optuna trials`` would show it as work never done)."""
+    url = pg.create_database("leftover")
+    space = write_space(tmp_path, epochs=1)
+    home = tmp_path / "home"
+    args = sweep_args(space, url, "s6", home, 2)
+    code, output = Machine(tmp_path, "m0", *args).finish()
+    assert code == 0, output
+    # what a machine that lost the race leaves: a trial asked, then put back to WAITING
+    storage = optuna.storages.RDBStorage(url)
+    late = optuna.load_study(study_name="s6", storage=storage).ask()
+    storage.set_trial_state_values(late._trial_id, TrialState.WAITING)
+
+    code, output = Machine(tmp_path, "m1", *args).finish()
+    assert code == 0, output
+    _assert_finished_exactly(url, "s6", home, 2)
+
+
+def test_machines_racing_at_the_end_of_sweeps_leave_exactly_n_trials_and_nothing_waiting(
+    pg, tmp_path
+):
+    """Three machines with two workers each, on short trials, so that they race for the last
+    places of the sweep; twice, on two studies."""
+    space = write_space(tmp_path, epochs=1)
+    for round_ in range(2):
+        url = pg.create_database(f"race{round_}")
+        home = tmp_path / f"home{round_}"
+        args = [*sweep_args(space, url, "race", home, 8), "--n-jobs", "2"]
+        machines = [Machine(tmp_path, f"r{round_}m{i}", *args) for i in range(3)]
+        for machine in machines:
+            code, output = machine.finish()
+            assert code == 0, output
+        _assert_finished_exactly(url, "race", home, 8)
+
+
+def _assert_finished_exactly(url: str, study_name: str, home: Path, n: int) -> None:
+    """Exactly ``n`` finished trials and nothing left to run: a trial closed because the sweep
+    had its trials is FAIL with the reason said, never run (no record at the home)."""
+    trials = optuna.load_study(study_name=study_name, storage=url).trials
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == n
+    closed = [t for t in trials if t.state == TrialState.FAIL]
+    assert all(t.system_attrs.get("fail_reason") == UNNEEDED for t in closed)
+    assert len(trials) == n + len(closed)  # nothing WAITING, nothing RUNNING
+    records = runs.read_trials(home)
+    assert sorted(r.number for r in records) == sorted(t.number for t in finished)
+
+
+def test_each_machines_progress_counts_the_whole_sweep(pg, tmp_path, monkeypatch):
+    """A machine's staging folder holds its own trials only; its progress lines count the
+    study's: the trials other machines finished count towards ``--n-trials`` too."""
+    with postgres_proxy_and_bucket(pg, monkeypatch, "progress") as (url, database, s3):
+        space = write_space(tmp_path, epochs=1)
+        first = sweep_args(space, url, "p", "s3://sweeps/p", 2)
+        code, output = Machine(tmp_path, "m0", *first).finish()
+        assert code == 0, output
+        second = sweep_args(space, url, "p", "s3://sweeps/p", 4)
+        code, output = Machine(tmp_path, "m1", *second).finish()
+        assert code == 0, output
+    lines = [
+        line for line in output.splitlines() if line.lstrip().startswith(("complete", "pruned"))
+    ]
+    assert len(lines) == 2  # this machine's trials, each with the whole sweep's count
+    assert "(3/4 done" in lines[0] and "(4/4 done" in lines[1], lines
+    best = min if "minimize" in output.splitlines()[0] else max
+    values = [t.value for t in optuna.load_study(study_name="p", storage=database).trials]
+    assert f"best eval_accuracy={best(values):.4g} (trial " in lines[1]

@@ -11,31 +11,14 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 from support import hpsweep_cli, load_sweep_study, write_space
-from torch import nn
+from support.tiny_model import FourClassNet, four_class_rows
 
 import hpsweep
 from hpsweep import runs
 from hpsweep.search.backends._optuna import OptunaTrial
 from hpsweep.search.reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments
-
-
-def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
-    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
-    y = (x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).argmax(-1)
-    return torch.utils.data.TensorDataset(x, y)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-    def forward(self, x, labels):
-        logits = self.net(x)
-        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
 def accuracy(p: hpsweep.EvalPrediction) -> dict:
@@ -74,10 +57,10 @@ def train_trial(
         **kw,
     )
     trainer = hpsweep.Trainer(
-        model_init=Net,
+        model_init=FourClassNet,
         args=args,
-        train_dataset=data(160, 1),
-        eval_dataset=data(64, 2),
+        train_dataset=four_class_rows(160, 1),
+        eval_dataset=four_class_rows(64, 2),
         compute_metrics=accuracy,
         callbacks=[*callbacks, reporter],
     )
@@ -156,11 +139,12 @@ def test_optuna_records_a_trial_pruned_before_its_last_step(tmp_path: Path) -> N
         )
         study.tell(otrial, state=expected) if reporter.pruned else study.tell(otrial, 0.5)
     complete, pruned = study.trials
+    # each reported its first evaluation, keyed by its training step (an epoch of 5 steps)
     assert complete.state == optuna.trial.TrialState.COMPLETE and list(
         complete.intermediate_values
-    ) == [1]
+    ) == [5]
     assert pruned.state == optuna.trial.TrialState.PRUNED and list(pruned.intermediate_values) == [
-        1
+        5
     ]
 
 
@@ -179,6 +163,8 @@ def test_a_sweeps_pruned_trials_stop_before_their_last_evaluation(tmp_path: Path
         ]
     assert all(len(r.history) == 4 for r in records if r.state == "complete")
     study = load_sweep_study(tmp_path / "out")
-    for t in study.trials:
+    steps = {r.number: [h["step"] for h in r.history] for r in records}
+    for t in study.trials:  # keyed by the training step, as the records and every logger are
+        assert sorted(t.intermediate_values) == steps[t.number]
         if t.state == optuna.trial.TrialState.PRUNED:
-            assert max(t.intermediate_values) < 4
+            assert max(t.intermediate_values) < 32  # before the last of 4 epochs of 8 steps

@@ -188,23 +188,6 @@ def test_evaluation_in_half_precision_scores_every_trial(tmp_path: Path) -> None
 # --- Weights & Biases ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """W&B without a login: its runs offline, its files under this test's folder."""
-    home = tmp_path / "wandb-home"
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for name, sub in {
-        "WANDB_DIR": "",
-        "WANDB_CONFIG_DIR": "config",
-        "WANDB_CACHE_DIR": "cache",
-    }.items():
-        (home / sub).mkdir(parents=True, exist_ok=True)
-        monkeypatch.setenv(name, str(home / sub))
-    monkeypatch.setenv("NETRC", str(home / "netrc"))
-
-
 def sweep_config(trial) -> dict:
     return {
         "method": "random",

@@ -195,6 +195,12 @@ class Backend:
 
         return Ledger(self.settings.output_dir, self.settings.n_trials)
 
+    def progress_counts(self) -> Any:
+        """A callable that returns the sweep's `hpsweep.search.progress.Counts` as its study holds
+        them, for a study that machines share (each machine's display then shows the whole
+        sweep); None (the default): the display counts the records in the output folder."""
+        return None
+
     def run(self, loop: Any) -> None:
         """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers; an
         executor backend overrides it (see the class's docstring), with ``loop.ledger``."""

@@ -9,6 +9,12 @@ trial that runs again is a new Optuna trial with the same params (enqueued), whi
 one is told FAIL with the user attribute ``hpsweep_stopped``, so the study never keeps a trial
 RUNNING that no process runs. In a database that machines share, the cut-short trial itself goes
 back to WAITING and runs again (`._study_ledger`).
+
+The study is an ordinary Optuna study that others read and write while the sweep runs
+(docs/watching.md, "The dashboard"): it names its objectives (``set_metric_names``), and each
+trial carries its run folder, latest checkpoint and MLflow run id as user attributes (`LINKS`).
+A trial ended from outside (optuna-dashboard's Fail button, the ``optuna`` command line) stops at
+its next report and is recorded failed (`EndedOutside`); another runs in its place.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hpsweep.errors import TakenOver, UserError
+from hpsweep.errors import EndedOutside, TakenOver, UserError
 from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.backends._storages import (
     OPEN_TRIES,
@@ -39,15 +45,33 @@ from hpsweep.search.backends._study_ledger import (
     GRACE_S,
     HEARTBEAT_S,
     HOME,
+    StudyCounts,
     StudyLedger,
     check_home,
+    standing,
 )
+from hpsweep.search.reporter import CHECKPOINT, MLFLOW_RUN_ID, RUN_DIR
 from hpsweep.search.space import Distribution, Float, Int
-from hpsweep.trial import Trial
+from hpsweep.trial import Trial, training_step
+
+#: What a trial learns while it runs (`Trial.user_attrs`, from `hpsweep.search.reporter` and the
+#: MLflow tracker) and the study's user attribute each is shown under: what optuna-dashboard, the
+#: ``optuna`` command line and ``load_study`` show of where the trial's files and runs are.
+LINKS = {
+    RUN_DIR: "hpsweep_run_dir",
+    CHECKPOINT: "hpsweep_checkpoint",
+    MLFLOW_RUN_ID: "hpsweep_mlflow_run_id",
+}
+#: Who may have ended a trial that hpsweep did not end (what a trial's error names).
+OUTSIDE = "optuna-dashboard, the optuna CLI or another writer of its study"
 
 
 class OptunaTrial(Trial):
-    """An Optuna trial as the trainer sees it; ``suggest_*`` samples define-by-run."""
+    """An Optuna trial as the trainer sees it; ``suggest_*`` samples define-by-run.
+
+    Each report first checks that the trial still runs here: another machine may have taken it
+    over (`TakenOver`), or someone ended it from outside the sweep (`EndedOutside`); it then
+    forwards the trial's new `LINKS` to the study."""
 
     backend = "optuna"
     define_by_run = True
@@ -63,17 +87,53 @@ class OptunaTrial(Trial):
         self.fence: Any = None
         self._multi = multi_objective
         self.ref = trial._trial_id
+        #: How a path the trial links reads in the study (its home's URL for an object store).
+        self.at_home: Callable[[str], str] = str
+        #: The state someone outside the sweep gave the trial, once seen.
+        self.ended_outside: TrialState | None = None
+        self._linked: dict[str, Any] = {}
 
     def report(
         self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
     ) -> None:
-        if self.fence is not None and self.fence.taken_over:
+        self.check_running()
+        try:
+            self.forward_links()
+            if not self._multi and objective is not None:  # Optuna prunes single-objective only
+                self._trial.report(float(objective), training_step(step, metrics))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self.check_running(fresh=True)  # ended since the check (or the last heartbeat)
+            raise
+
+    def check_running(self, *, fresh: bool = False) -> None:
+        """Raise if the trial no longer runs here: `TakenOver` (another machine runs it) or
+        `EndedOutside`. In a shared database the heartbeat's last reading is used, unless
+        ``fresh``; elsewhere (one machine) the study is read, which costs a journal's new lines."""
+        fence = self.fence
+        if fence is not None and not fresh:
+            how = "outside" if fence.ended_outside else "elsewhere" if fence.taken_over else "ours"
+            state = fence.ended_outside
+        else:
+            frozen = self._trial.storage.get_trial(self.ref)
+            how, state = standing(frozen, getattr(fence, "started", None)), frozen.state
+        if how == "elsewhere":
             raise TakenOver(
                 f"trial {self.number} was judged dead (its heartbeat stopped) and runs on "
                 "another machine; this run of it stops and is not recorded"
             )
-        if not self._multi and objective is not None:  # Optuna prunes single-objective studies only
-            self._trial.report(float(objective), step)
+        if how == "outside":
+            self.ended_outside = state
+            raise EndedOutside(ended_outside(self.number, state))
+
+    def forward_links(self) -> None:
+        """Set the study's user attributes of the `LINKS` that changed since the last time; no
+        other user attribute is written (notes and attributes others write stay theirs)."""
+        for key, attr in LINKS.items():
+            value = self.user_attrs.get(key)
+            if value is None or self._linked.get(key) == value:
+                continue
+            self._trial.set_user_attr(attr, self.at_home(value) if key != MLFLOW_RUN_ID else value)
+            self._linked[key] = value
 
     def should_prune(self) -> bool:
         return not self._multi and self._trial.should_prune()
@@ -94,6 +154,25 @@ class OptunaTrial(Trial):
     def _keep(self, name: str, value: Any) -> Any:
         self.params[name] = value
         return value
+
+
+def ended_outside(number: int, state: TrialState) -> str:
+    """What a trial ended from outside the sweep records as its error."""
+    how = "failed" if state == TrialState.FAIL else f"set {state.name}"
+    return (
+        f"trial {number} was {how} from outside the sweep ({OUTSIDE}); another trial runs in "
+        "its place"
+    )
+
+
+def _ended_late(trial: OptunaTrial, state: str) -> str:
+    """What the sweep says of a trial ended from outside after its last report: it ended here as
+    it ended (its record says so), and the study keeps the state it was given."""
+    given = trial.ended_outside.name if trial.ended_outside is not None else "it"
+    return (
+        f"trial {trial.number} was ended from outside the sweep ({OUTSIDE}) after its last "
+        f"evaluation: it is recorded {state}, and the study keeps it {given}"
+    )
 
 
 def suggest(trial: OptunaTrial, name: str, dist: Distribution) -> Any:
@@ -170,8 +249,9 @@ class OptunaBackend(Backend):
             # Measured, not guessed (bench/pruner_settings.py, bench/README.md): on the shipped digits
             # space these settings reached a typical sweep's accuracy in the least CPU time of six
             # candidates (startup 3 or 5, warmup 1 or 2, Hyperband, none) with the same best accuracy,
-            # and spent 27% less than no pruning on a 30-trial sweep. Evaluations count from 1, so
-            # warmup 1 allows pruning from the first; a trial's last is never offered (TrialReporter).
+            # and spent 27% less than no pruning on a 30-trial sweep. Reports are keyed by the training
+            # step, so warmup 1 allows pruning from the first evaluation after a step (not one on
+            # start); a trial's last is never offered (TrialReporter).
             return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
         if name == "hyperband":
             return optuna.pruners.HyperbandPruner(min_resource=1)
@@ -199,6 +279,11 @@ class OptunaBackend(Backend):
             return super().ledger()
         return StudyLedger(self.settings.output_dir, self.settings.n_trials, self.settings.home)
 
+    def progress_counts(self) -> StudyCounts | None:
+        if not self.shared:
+            return None
+        return StudyCounts(self.settings.output_dir)
+
     def load_study(self, stream: int = 0) -> optuna.Study:
         """The study, created if missing (see `_opened`)."""
         return self._opened(lambda: self._load_study(stream))
@@ -221,36 +306,76 @@ class OptunaBackend(Backend):
 
     def _load_study(self, stream: int) -> optuna.Study:
         s = self.settings
-        study = optuna.create_study(
-            storage=self._storage(),
-            study_name=s.study_name,
-            sampler=self._sampler(stream),
-            pruner=self._pruner(),
-            directions=s.directions,
-            load_if_exists=True,
-        )
-        if self.shared:
-            self._keep_home(study)
+        found = {
+            "storage": self._storage(),
+            "study_name": s.study_name,
+            "sampler": self._sampler(stream),
+            "pruner": self._pruner(),
+        }
+        try:  # loaded first: creating appends a record to a journal even when the study exists
+            study = optuna.load_study(**found)
+        except KeyError:
+            study = optuna.create_study(**found, directions=s.directions, load_if_exists=True)
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
             raise UserError(
                 f"study {s.study_name!r} in {self.storage.label} was created to {', '.join(stored)}, not "
                 f"{', '.join(s.directions)}; keep the direction, or use another --study-name or --output-dir"
             )
+        if self.shared:
+            self._keep_home(study)
+        self._name_metrics(study)
         return study
+
+    def _name_metrics(self, study: optuna.Study) -> None:
+        """Name the study's objectives as the sweep does, for optuna-dashboard's axes and
+        ``optuna``'s tables, once: the names are the study's from then on."""
+        named = study.metric_names
+        self._check_objective(named, self.storage.label)
+        if named is None:
+            study.set_metric_names(self.metric_names)
+
+    @property
+    def metric_names(self) -> list[str]:
+        """The names of the study's objectives: the objective's, one per direction."""
+        s = self.settings
+        if not s.multi_objective:
+            return [s.objective_name]
+        return [f"{s.objective_name}_{i}" for i in range(len(s.directions))]
+
+    def _check_objective(self, named: list[str] | None, label: str) -> None:
+        """Refuse a study that optimises another objective (one begun by an hpsweep that did not
+        name its objectives takes this one's names)."""
+        s = self.settings
+        if named is not None and named != self.metric_names:
+            raise UserError(
+                f"study {s.study_name!r} in {label} optimises {', '.join(named)}, not "
+                f"{', '.join(self.metric_names)}; keep the objective, or use another --study-name "
+                "or --output-dir"
+            )
 
     # --- the study a sweep on many machines shares ---------------------------------------------------
 
     def check_study(self) -> None:
         """Refuse, before anything is written (not even to the study), a command that does not
         match the study it names: another home, other directions, another space."""
-        if not self.shared:
-            return
+        if not self._stored():
+            return  # a new study: nothing to disagree with, and nothing to create yet
         storage = self._storage_or_error()
         try:
             self._check_stored(storage)
         finally:
             _close(storage)
+
+    def _stored(self) -> bool:
+        """Whether the storage may hold studies already: a database, or a file that exists
+        (opening a missing journal or SQLite file would create it)."""
+        kind = self.storage.kind
+        if kind == "journal":
+            return self.storage.path.exists()
+        if kind == "sqlite":
+            return Path(self.storage.url.split(":///", 1)[-1]).exists()
+        return True
 
     def _check_stored(self, storage: optuna.storages.BaseStorage) -> None:
         s = self.settings
@@ -266,6 +391,8 @@ class OptunaBackend(Backend):
                 f"study {s.study_name!r} in {label} was created to {', '.join(stored)}, not "
                 f"{', '.join(s.directions)}; keep the direction, or use another --study-name"
             )
+        study = optuna.load_study(study_name=s.study_name, storage=storage)
+        self._check_objective(study.metric_names, label)
         done = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
         for name, dist in (s.space or {}).items() if done else ():
             known = done[-1].distributions.get(name)
@@ -323,6 +450,7 @@ class OptunaBackend(Backend):
         assert study is not None
         number, trial_id = _again_identity(asked, again)
         trial = OptunaTrial(asked, s.multi_objective, number=number)
+        trial.at_home = self._at_home
         if trial_id is not None:
             trial.id = trial_id
         for name, dist in (s.space or {}).items():
@@ -337,31 +465,55 @@ class OptunaBackend(Backend):
         return trial
 
     def tell(self, trial: Any, state: str, value: Any = None) -> None:
+        """Tell the study how ``trial`` ended here, unless it no longer runs here: ended from
+        outside (the study keeps what it was given) or taken over by another machine."""
         try:
-            self._tell(trial, state, value)
-        except RuntimeError:
-            # A grid sampler stops the study once every point is asked, which Optuna allows only
-            # inside study.optimize; the trial is told all the same, and `exhausted` ends the sweep.
-            if not self.exhausted():
+            try:
+                trial.check_running(fresh=True)
+                trial.forward_links()
+                self._tell(trial, state, value)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                trial.check_running(fresh=True)  # ended since it was read: say how
                 raise
-        except optuna.exceptions.UpdateFinishedTrialError:
+        except EndedOutside:
+            if state != "failed":  # a failed one's record and the progress say it already
+                print(f"hpsweep: {_ended_late(trial, state)}", file=sys.stderr)
+        except (TakenOver, optuna.exceptions.UpdateFinishedTrialError):
             # another machine judged this trial's process dead (its heartbeat stopped while the
             # database was away) and runs it again; that run records it
             print(
                 f"hpsweep: trial {trial.number} runs again elsewhere; this run's end is not counted",
                 file=sys.stderr,
             )
+        except RuntimeError:
+            # A grid sampler stops the study once every point is asked, which Optuna allows only
+            # inside study.optimize; the trial is told all the same, and `exhausted` ends the sweep.
+            if not self.exhausted():
+                raise
 
     def _tell(self, trial: Any, state: str, value: Any = None) -> None:
+        # skip_if_finished: ended from outside since `check_running` read it, it stays so
         assert self.study is not None
         if state == "complete":
-            self.study.tell(trial._trial, value)
+            self.study.tell(trial._trial, value, skip_if_finished=True)
         elif state == "pruned":
-            self.study.tell(trial._trial, state=TrialState.PRUNED)
+            self.study.tell(trial._trial, state=TrialState.PRUNED, skip_if_finished=True)
         else:
             if state == "stopped":
                 trial._trial.set_user_attr("hpsweep_stopped", True)
-            self.study.tell(trial._trial, state=TrialState.FAIL)
+            self.study.tell(trial._trial, state=TrialState.FAIL, skip_if_finished=True)
+
+    def _at_home(self, path: str) -> str:
+        """``path`` as the sweep's home names it: its URL for a file staged here for an object
+        store, so that the study names a place every machine reads."""
+        s = self.settings
+        if s.home is None or not s.home.remote:
+            return path
+        try:
+            inside = Path(path).relative_to(s.output_dir)
+        except ValueError:
+            return path
+        return f"{s.home_url}/{inside.as_posix()}"
 
     def abandon(self, ref: Any) -> None:
         """Fail the Optuna trial a dead process left RUNNING (it runs again as a new trial)."""

@@ -6,7 +6,9 @@ SQLite file (``sqlite:///...``, and where hpsweep 0.1 kept its studies), an SQL 
 many workers on one database, or an ``optuna.storages.BaseStorage`` from the Python API.
 
 - Every message names the storage by its `StorageSpec.label`: the URL with its password as
-  ``***``. Credentials come from the URL or the driver's environment (``PGPASSWORD``).
+  ``***``, after the place the user wrote it (``--storage``, or the environment variable a
+  `StorageFromEnv` names). Credentials come from the URL or the driver's environment
+  (``PGPASSWORD``).
 - A database storage holds one connection per process (``pool_size=1``, no overflow), so a
   sweep's connections are machines x ``--n-jobs``. Optuna's set-up of new tables and its schema
   check take a second one while holding the first: both run here without it (`_sql`).
@@ -59,6 +61,23 @@ DRIVERS = {
 }
 
 Kind = Literal["journal", "sqlite", "sql", "grpc", "object"]
+#: Where a storage URL is written unless it says otherwise (`StorageFromEnv`).
+FLAG = "--storage"
+
+
+class StorageFromEnv(str):
+    """A storage URL read from the environment variable ``variable``: the messages about it name
+    that variable, which is what the user has to fix, not ``--storage``."""
+
+    variable: str
+
+    def __new__(cls, url: str, variable: str) -> StorageFromEnv:
+        self = super().__new__(cls, url)
+        self.variable = variable
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return StorageFromEnv, (str(self), self.variable)
 
 
 @dataclass(frozen=True)
@@ -73,10 +92,21 @@ class StorageSpec:
     obj: Any = None
     #: the process that parsed it: a forked worker gives an object's SQL engine new connections
     pid: int = field(default_factory=os.getpid)
+    #: where the user wrote it: ``--storage`` or an environment variable's name
+    source: str = FLAG
 
     @property
     def path(self) -> Path:
         return Path(self.url)
+
+    @property
+    def where(self) -> str:
+        """The storage as the user wrote it, password hidden: ``--storage URL`` or ``VAR=URL``."""
+        return _where(self.source, self.label)
+
+
+def _where(source: str, label: str) -> str:
+    return f"{source} {label}" if source.startswith("--") else f"{source}={label}"
 
 
 def parse_storage(spec: Any, output_dir: Path) -> StorageSpec:
@@ -92,27 +122,28 @@ def parse_storage(spec: Any, output_dir: Path) -> StorageSpec:
             "(postgresql://..., grpc://HOST:PORT) or an optuna.storages.BaseStorage"
         )
     text = os.fspath(spec)
-    label = redact_url(text)
+    label, source = redact_url(text), getattr(spec, "variable", FLAG)
+    where = _where(source, label)
     if "://" not in text:
         if SERVER_ADDRESS.fullmatch(text):
             raise UserError(
-                f"--storage {label} names a server but not its kind; write "
+                f"{where} names a server but not its kind; write "
                 f"postgresql://USER@{_hostport(text)}/DATABASE, mysql+pymysql://..., or "
                 f"grpc://{_hostport(text)} for Optuna's storage proxy (a journal file is a path)"
             )
         path = Path(text).expanduser().resolve()
-        return StorageSpec("journal", str(path), str(path))
+        return StorageSpec("journal", str(path), str(path), source=source)
     scheme = text.split("://", 1)[0].lower()
     dialect = scheme.split("+", 1)[0]
     if dialect == "sqlite":
-        return StorageSpec("sqlite", text, label)
+        return StorageSpec("sqlite", text, label, source=source)
     if dialect in SQL_DIALECTS:
-        return StorageSpec("sql", text, label)
+        return StorageSpec("sql", text, label, source=source)
     if scheme == "grpc":
-        _grpc_address(text, label)
-        return StorageSpec("grpc", text, label)
+        _grpc_address(text, where)
+        return StorageSpec("grpc", text, label, source=source)
     raise UserError(
-        f"--storage {label}: {scheme}:// is no storage hpsweep opens{did_you_mean(dialect, SCHEMES)}; give a journal file's "
+        f"{where}: {scheme}:// is no storage hpsweep opens{did_you_mean(dialect, SCHEMES)}; give a journal file's "
         "path, sqlite:///FILE, postgresql://..., mysql+pymysql://... or grpc://HOST:PORT"
     )
 
@@ -130,7 +161,7 @@ def _hostport(text: str) -> str:
     return text.rpartition("@")[2].partition("/")[0]
 
 
-def _grpc_address(url: str, label: str) -> tuple[str, int]:
+def _grpc_address(url: str, where: str) -> tuple[str, int]:
     parts = urlsplit(url)
     try:
         port = parts.port
@@ -138,7 +169,7 @@ def _grpc_address(url: str, label: str) -> tuple[str, int]:
         port = None
     if not parts.hostname or port is None or parts.path.strip("/"):
         raise UserError(
-            f"--storage {label}: the storage proxy is named grpc://HOST:PORT, e.g. grpc://10.0.0.5:13000"
+            f"{where}: the storage proxy is named grpc://HOST:PORT, e.g. grpc://10.0.0.5:13000"
         )
     return parts.hostname, port
 
@@ -163,7 +194,7 @@ def open_storage(
         except OSError as exc:
             raise UserError(
                 f"the study's journal {parsed.label} cannot be written ({exc.strerror}); "
-                "give --storage a path in a writable folder"
+                f"give {parsed.source} a path in a writable folder"
             ) from None
     if parsed.kind == "object":
         return _own_object(parsed)
@@ -228,12 +259,12 @@ def _check_schema(storage: optuna.storages.RDBStorage, parsed: StorageSpec) -> N
         "(with the real password)"
     )
     raise UserError(
-        f"--storage {parsed.label}: its study tables have schema {current}, this Optuna reads {head}; {fix}"
+        f"{parsed.where}: its study tables have schema {current}, this Optuna reads {head}; {fix}"
     )
 
 
 def _grpc_proxy(parsed: StorageSpec) -> optuna.storages.BaseStorage:
-    host, port = _grpc_address(parsed.url, parsed.label)
+    host, port = _grpc_address(parsed.url, parsed.where)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         proxy = optuna.storages.GrpcStorageProxy(host=host, port=port)
@@ -345,7 +376,7 @@ def storage_error(parsed: StorageSpec, exc: BaseException) -> UserError:
     """``exc``, raised opening ``parsed``, as one line naming the storage (password as ``***``),
     the problem and the fix."""
     name = cause(exc)
-    where = f"--storage {parsed.label}"
+    where = parsed.where
     if name == "driver":
         module = (
             next((e.name for e in _chain(exc) if isinstance(e, ImportError) and e.name), None)

@@ -27,6 +27,10 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   time, an opaque token, and its beat), which leaves a window of one call; a process whose trial
   was taken over finds out at its next beat (`Heartbeat.taken_over`), stops training it at its
   next report and records nothing, and only the run that tells the trial's end is counted.
+- **Ended from outside.** A trial failed by hand while it runs (optuna-dashboard, the ``optuna``
+  command line) is finished in the run it was in, which hpsweep never does to a trial it runs:
+  the beat tells it apart from a trial taken over (`standing`), and the trial stops at its next
+  report, is recorded failed and is not run again; it does not count, so another takes its place.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
@@ -36,8 +40,10 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
+from collections import Counter
 from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
@@ -67,8 +73,13 @@ AGAIN_NUMBER = "hpsweep_number"
 BEAT = "hpsweep_beat"
 #: The study's user attribute naming the sweep's home.
 HOME = "hpsweep_home"
+#: Why a trial asked after the sweep had its trials was closed without running (`close_unneeded`).
+UNNEEDED = "not run: the sweep had its n_trials finished trials when this trial came up"
 
 _COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+_READ = (*_COUNTED, TrialState.FAIL)  # the failed ones too, for the display (`publish_counts`)
+#: In the sweep's folder on each machine: the study's counts as its workers last read them.
+COUNTS_FILE = ".study-counts.json"
 
 
 class Heartbeat:
@@ -78,7 +89,8 @@ class Heartbeat:
     system attribute `BEAT` (see `StudyLedger.reap`).
 
     ``started`` is the trial's start time when this process took it: each beat first checks that
-    the trial is still RUNNING from that start, and otherwise sets `taken_over` and stops."""
+    the trial is still RUNNING from that start, and otherwise stops, having set `taken_over` or
+    `ended_outside` (`standing`)."""
 
     def __init__(self, storage: Any, trial_id: int, started: Any = None) -> None:
         import threading
@@ -90,6 +102,8 @@ class Heartbeat:
         self._count = 0
         #: Set once a beat found the trial back to WAITING or in another process's run.
         self.taken_over = False
+        #: The state the trial was given from outside the sweep, once a beat found it ended so.
+        self.ended_outside: TrialState | None = None
         self._stop = threading.Event()
         # the first beat too is the thread's: the trial starts without waiting for two writes
         self._thread = threading.Thread(target=self._beat, name="hpsweep-heartbeat", daemon=True)
@@ -110,8 +124,14 @@ class Heartbeat:
         self._storage.set_trial_system_attr(self._trial_id, BEAT, self._count)
 
     def _ours(self) -> bool:
+        """Whether the trial still runs in this process's run; if not, note how it left."""
         trial = self._storage.get_trial(self._trial_id)
-        return trial.state == TrialState.RUNNING and trial.datetime_start == self.started
+        how = standing(trial, self.started)
+        if how == "outside":
+            self.ended_outside = trial.state
+        elif how == "elsewhere":
+            self.taken_over = True
+        return how == "ours"
 
     def _beat(self) -> None:
         with suppress(Exception):  # unbeaten, the trial is judged by `GRACE_S`
@@ -119,7 +139,6 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 if self.started is not None and not self._ours():
-                    self.taken_over = True
                     return
                 self._record()
             except Exception:  # noqa: BLE001 - the next beat tries again; the trial says why it stops
@@ -147,6 +166,7 @@ class StudyLedger:
         # how many more trials the study had room for at this process's last admission, beyond
         # what the others may take meanwhile; while positive, `next_trial` asks without looking
         self._room = 0
+        self._maximize: bool | None = None
 
     def locked(self) -> Any:
         """No lock: the database orders the trials (see the module's docstring)."""
@@ -166,9 +186,10 @@ class StudyLedger:
         if self.n_trials is not None and self._room <= 0:
             # Near the end, look before asking: a trial asked with no room would only wait.
             # Far from it, `_admitted` alone keeps the count (one read of the study less).
-            trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_COUNTED)
+            trials = self._read(study)
             finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
             if finished >= self.n_trials:
+                close_unneeded(study._storage, trials)
                 return "done"
             running = sum(t.state == TrialState.RUNNING for t in trials)
             if finished + running >= self.n_trials:
@@ -177,7 +198,10 @@ class StudyLedger:
             return "done"  # a finished grid
         asked = study.ask()  # a trial put back to WAITING first, else a new one
         if not self._admitted(study, asked._trial_id):
-            study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
+            # it holds its place in case a trial ahead fails; once the sweep has its trials, the
+            # machine that sees it so closes it (`close_unneeded`), perhaps before this line
+            with suppress(optuna.exceptions.UpdateFinishedTrialError):
+                study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
             return "wait"
         started = asked._cached_frozen_trial.datetime_start
         beat = Heartbeat(study._storage, asked._trial_id, started)
@@ -195,7 +219,7 @@ class StudyLedger:
         the finished ones, and the unfinished ones created before it."""
         if self.n_trials is None:
             return True
-        trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_COUNTED)
+        trials = self._read(study)
         ahead = sum(
             t.state in (TrialState.COMPLETE, TrialState.PRUNED) or t._trial_id < trial_id
             for t in trials
@@ -206,6 +230,15 @@ class StudyLedger:
         running = sum(t.state == TrialState.RUNNING for t in trials)
         self._room = self.n_trials - ahead - 1 - 2 * running
         return ahead < self.n_trials
+
+    def _read(self, study: optuna.Study) -> list[FrozenTrial]:
+        """The study's trials that may still count, read once; what was read is published for
+        this machine's progress display on the way (`publish_counts`)."""
+        trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_READ)
+        if self._maximize is None:
+            self._maximize = study.directions == [optuna.study.StudyDirection.MAXIMIZE]
+        publish_counts(self.output_dir, trials, self._maximize)
+        return [t for t in trials if t.state != TrialState.FAIL]
 
     def _again_record(self, asked: optuna.Trial) -> runs.TrialRecord | None:
         """The record of the trial ``asked`` runs again (its folder and checkpoints), if any: on
@@ -268,6 +301,30 @@ class StudyLedger:
         self._seen = seen
 
 
+def standing(trial: FrozenTrial, started: Any) -> str:
+    """How a trial that this process runs stands in the study, as read now: ``"ours"`` (it still
+    runs in this process's run, the one that began at ``started``), ``"elsewhere"`` (hpsweep put
+    it back to WAITING, another process runs it, or closed it unneeded) or ``"outside"`` (someone
+    outside the sweep ended it: optuna-dashboard's Fail button, the ``optuna`` command line).
+
+    hpsweep never finishes a trial another process runs: a run it ends it first puts back to
+    WAITING, which clears its `BEAT` (`run_again`), and a trial it closes unneeded says so
+    (`close_unneeded`). So a trial finished in our run, with its beat, was ended from outside.
+    ``started`` None: a study that machines do not share, where only this process changes a
+    trial while it runs it."""
+    if started is None:
+        return "outside" if trial.state.is_finished() else "ours"
+    if trial.datetime_start != started:
+        return "elsewhere"
+    if trial.state == TrialState.RUNNING:
+        return "ours"
+    ours_to_the_end = (
+        trial.system_attrs.get(BEAT) is not None
+        and trial.system_attrs.get("fail_reason") != UNNEEDED
+    )
+    return "outside" if trial.state.is_finished() and ours_to_the_end else "elsewhere"
+
+
 def run_again(storage: Any, trial: FrozenTrial, started: Any) -> bool:
     """Put ``trial`` back to WAITING, to run again from its latest checkpoint on whichever machine
     asks next, if it is still RUNNING in the run that began at ``started`` (None: any run) with
@@ -291,6 +348,74 @@ def run_again(storage: Any, trial: FrozenTrial, started: Any) -> bool:
         return bool(storage.set_trial_state_values(trial_id, TrialState.WAITING))
     except optuna.exceptions.UpdateFinishedTrialError:
         return False  # it ended meanwhile
+
+
+class StudyCounts:
+    """The study's trials by how they stand, for the progress display of one machine among many
+    (`hpsweep.search.progress.Counts`): read from `COUNTS_FILE`, which the ledger of each worker
+    on this machine rewrites whenever it reads the study's trials anyway (each trial it asks for,
+    and near the end). So the display adds no database connection and no read of its own; its
+    counts are as fresh as this machine's last ask (a worker asks again as soon as its trial is
+    told)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self._path = output_dir / COUNTS_FILE
+        self._seen: Any = None
+        self._counts: Any = None
+
+    def __call__(self) -> Any:
+        from hpsweep.search.progress import Counts
+
+        stat = self._path.stat()  # none yet: the display counts the folder's records
+        if (stat.st_mtime_ns, stat.st_size) != self._seen:
+            data = json.loads(self._path.read_text())
+            best = data.pop("best", None)
+            self._counts = Counts(**data, best=tuple(best) if best else None, as_of=stat.st_mtime)
+            self._seen = (stat.st_mtime_ns, stat.st_size)
+        return self._counts
+
+
+def publish_counts(output_dir: Path, trials: list[FrozenTrial], maximize: bool) -> None:
+    """Write the counts of ``trials`` (all the study's, as just read) to `COUNTS_FILE`."""
+    states = Counter(t.state for t in trials)
+    done = [t for t in trials if t.state == TrialState.COMPLETE and len(t.values or ()) == 1]
+    best = (max if maximize else min)(done, key=lambda t: t.values[0]) if done else None
+    failed = sum(
+        t.state == TrialState.FAIL
+        and t.system_attrs.get("fail_reason") != UNNEEDED
+        and not t.user_attrs.get("hpsweep_stopped")
+        for t in trials
+    )
+    data = {
+        "done": states[TrialState.COMPLETE] + states[TrialState.PRUNED],
+        "failed": failed,
+        "stopped": states[TrialState.WAITING],
+        "running": states[TrialState.RUNNING],
+        "best": [best.values[0], _number(best)] if best is not None else None,
+    }
+    with suppress(OSError):  # a display's file: never worth a trial
+        runs.write_json(output_dir / COUNTS_FILE, data)
+
+
+def _number(trial: FrozenTrial) -> int:
+    """The trial's number as hpsweep's records name it (a copy run by an older hpsweep names the
+    trial it continues)."""
+    return int(trial.user_attrs.get(AGAIN_NUMBER, trial.number))
+
+
+def close_unneeded(storage: Any, trials: list[FrozenTrial]) -> None:
+    """Close the WAITING trials left once the study holds its ``n_trials`` finished ones: trials
+    asked at the end of a sweep by machines that raced for its last places (`StudyLedger._admitted`),
+    never run and never to run. Optuna has no way to delete a trial and no state for "not needed",
+    so each becomes FAIL with its ``fail_reason`` (the attribute Optuna's own failures carry)
+    saying so: the dashboard and ``optuna trials`` show no work left undone. A machine that
+    popped one meanwhile finds it finished and asks no more (`next_trial`)."""
+    for trial in trials:
+        if trial.state != TrialState.WAITING:
+            continue
+        with suppress(optuna.exceptions.UpdateFinishedTrialError):
+            storage.set_trial_system_attr(trial._trial_id, "fail_reason", UNNEEDED)
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
 
 
 def check_home(study_attrs: dict[str, Any], home: str, study_name: str, storage_label: str) -> None:

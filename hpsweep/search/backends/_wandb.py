@@ -47,7 +47,7 @@ from hpsweep.search.backends._base import Backend, SearchSettings
 from hpsweep.search.ledger import Claim, Ledger
 from hpsweep.search.loop import WAIT_S
 from hpsweep.search.space import Categorical, Distribution, Float, Int
-from hpsweep.trial import Trial
+from hpsweep.trial import Trial, training_step
 
 SWEEP_FILE = "wandb_sweep.json"
 OPTIONS = (
@@ -69,7 +69,7 @@ RUN_STATES = {
 
 
 class WandbTrial(Trial):
-    """A trial that is one W&B run: each evaluation is a ``run.log`` row at the evaluation's step.
+    """A trial that is one W&B run: each evaluation is a ``run.log`` row at its training step.
 
     ``stopper`` (local mode) is asked after each report whether hyperband stops the trial;
     online, the W&B server stops runs itself.
@@ -100,12 +100,12 @@ class WandbTrial(Trial):
         row = {
             k: float(v)
             for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
         }
         if objective is not None:
             row[self.metric] = float(objective)
             self.history.append({self.metric: float(objective)})
-        self.run.log(row, step=step)
+        self.run.log(row, step=training_step(step, metrics))
 
     def should_prune(self) -> bool:
         return self._stopper is not None and self._stopper(self)
