@@ -19,10 +19,40 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+#: The test files of the slow tier: they start servers, clusters or many machines, or wait out a
+#: heartbeat's grace. ``pytest -m "not slow" -n 2`` runs the rest, the fast tier, in a few minutes
+#: (docs/getting-started.md); CI runs both.
+SLOW_FILES = frozenset(
+    {
+        "search/test_preemption.py",
+        "search/test_many_machines.py",
+        "search/test_contract.py",
+        "search/test_faults.py",
+        "search/test_outside_writers.py",
+        "search/backends/test_ray.py",
+        "search/backends/test_ray_storage.py",
+        "search/backends/test_wandb.py",
+        "search/backends/test_storages.py",
+        "integrations/test_mlflow.py",
+        "integrations/test_report_to.py",
+        "train/test_hf_search.py",
+        "devices/test_data_parallel.py",
+        "cli/test_object_store_home.py",
+        "test_bench.py",
+    }
+)
+TESTS = Path(__file__).parent
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` need CUDA: the one kind of test skipped where it is missing (CI)."""
+    """The slow tier's files get the ``slow`` mark; tests marked ``gpu`` need CUDA: the one kind of
+    test skipped where it is missing (CI)."""
     import torch
 
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.relative_to(TESTS).as_posix() in SLOW_FILES:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     needs_cuda = pytest.mark.skip(reason="needs CUDA")
