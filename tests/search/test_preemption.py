@@ -126,15 +126,15 @@ def _check_stopped_at(
     # the run resumed from a complete checkpoint if there was one, else it started over
     assert bool(record.resumed_from) == resumable, record
     ended = moment == "ended"
-    assert (
-        record.state == "complete" if ended else ("running" if how == signal.SIGKILL else "stopped")
-    )
+    assert record.state == (
+        "complete" if ended else ("running" if how == signal.SIGKILL else "stopped")
+    ), record
     complete = home.complete_checkpoints()
     if moment in ("recorded", "uploading") or (moment == "writing" and how == signal.SIGKILL):
         assert bool(complete) == resumable  # nothing whole was added
-    if moment in ("uploading", "writing") and how == signal.SIGKILL or moment == "uploading":
+    if moment == "uploading" or (moment == "writing" and how == signal.SIGKILL):
         assert home.partial_checkpoint()  # half a checkpoint, which no machine takes for one
-    if moment == "writing" and how == signal.SIGTERM or moment in ("checkpointed", "ended"):
+    if moment in ("checkpointed", "ended") or (moment == "writing" and how == signal.SIGTERM):
         assert complete  # a stopped process finishes the checkpoint it was writing
 
 
