@@ -26,6 +26,7 @@ SLOW_FILES = frozenset(
     {
         "search/test_preemption.py",
         "search/test_many_machines.py",
+        "search/test_ledger_cost.py",
         "search/test_contract.py",
         "search/test_faults.py",
         "search/test_outside_writers.py",

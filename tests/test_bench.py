@@ -66,9 +66,26 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["--trials", "2", "--concurrency", "1", "--reuse", "off", "--no-warm"],
         ["hpsweep --backend ray", "bare torch trainable", "ratio hpsweep / bare torch"],
     ),
+    "bookkeeping.py": (
+        ["--workers", "2", "--trials", "12", "--trial-s", "0", "--storages", "journal"]
+        + ["--json", "{tmp}/bookkeeping.json"],
+        [
+            "| storage | side | finished | start s | all W running s | CPU s to 1st trial "
+            "| CPU ms/trial, first 10% "
+            "| last 10% | **growth** | DB ms/trial, first 10% | last 10% | wall s/trial x W, "
+            "first 10% | last 10% |",
+            "| storage | side | finished | wall s | ideal s | **/ ideal** |",
+            "| journal | hpsweep | 12 |",  # exactly --n-trials, in both tables
+            "| journal | optuna |",
+        ],
+    ),
     "scale.py": (
         ["--workers", "2", "--trials", "4", "--trial-s", "0.1"],
         ["| hpsweep | database | 4 |", "| optuna | database |", "| hpsweep | proxy | 4 |"],
+    ),
+    "startup.py": (
+        ["--rounds", "1", "--storages", "journal"],
+        ["| journal | 1 | optuna |", "| journal | 1 | hpsweep |"],
     ),
 }
 

@@ -227,14 +227,16 @@ def _resources(text: str) -> dict[str, float]:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from hpsweep.cli.startup_heap import FreezeAtSweepBegin, collector_off, freeze_libraries
+    from hpsweep.cli import startup_heap
     from hpsweep.devices.threads import note_start
 
     note_start()  # the first trial's threads are decided over the command's start-up
-    with collector_off():  # see hpsweep.cli.startup_heap
+    # see hpsweep.cli.startup_heap
+    with startup_heap.collector_off(process_ends=getattr(ns, "process_ends", False)):
+        startup_heap.import_libraries()
         from hpsweep.api import run
 
-        freeze_libraries()
+        startup_heap.freeze_libraries()
 
         options: dict[str, Any] = {
             k: v
@@ -253,7 +255,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         options["max_failed_trials"] = ns.max_failed_trials
         options["processes_per_trial"] = ns.processes_per_trial
         # the freeze comes last: after MLflow's imports
-        options["sweep_callbacks"] = [*_sweep_callbacks(ns), FreezeAtSweepBegin()]
+        options["sweep_callbacks"] = [*_sweep_callbacks(ns), startup_heap.FreezeAtSweepBegin()]
         best = run(
             ns.space_file,
             backend=ns.backend,
@@ -419,8 +421,11 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command ``argv``; None is this process's own command line (the ``hpsweep`` script,
+    ``python -m hpsweep.cli``), whose process ends with the command."""
     try:
         ns = build_parser().parse_args(argv)
+        ns.process_ends = argv is None
         return ns.func(ns)
     except UserError as exc:
         print(f"hpsweep: error: {exc}", file=sys.stderr)

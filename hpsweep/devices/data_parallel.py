@@ -14,7 +14,7 @@ rank takes every N-th batch, so the effective batch is ``per_device_train_batch_
   through a pipe to this process, which asks the backend; rank 0 broadcasts the answer, so a
   prune stops all N at the same step.
 - **Logged loss.** Each rank sums its own batches' losses; at a logging step every rank takes
-  part in one all-reduce (`Trainer._log_save_evaluate`), so the logged ``loss`` is the mean over
+  part in one all-reduce (`TrainingLoop.count_loss`), so the logged ``loss`` is the mean over
   all N processes' batches, the loss of the effective batch. Logging steps follow the arguments
   and the callbacks every rank runs, so all N reach the collective together (the callbacks only
   rank 0 gets, the sweep's trackers, never ask for a log).

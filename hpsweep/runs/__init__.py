@@ -70,6 +70,7 @@ from hpsweep.runs._records import (
     TrialRecord,
     best_records,
     dominates,
+    front_with,
     is_better,
     params_json,
     promote_if_best,
@@ -77,6 +78,7 @@ from hpsweep.runs._records import (
     read_trials,
     run_dir_for,
     safe_name,
+    settle_front,
 )
 from hpsweep.runs.home import Home, RemoteHome, open_home
 
@@ -115,6 +117,7 @@ __all__ = [
     "TrialRecord",
     "best_records",
     "dominates",
+    "front_with",
     "is_better",
     "params_json",
     "promote_if_best",
@@ -122,6 +125,7 @@ __all__ = [
     "read_trials",
     "run_dir_for",
     "safe_name",
+    "settle_front",
     "TRAINING_STATE",
     "ModelKind",
     "best_run_readme",

@@ -7,10 +7,10 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
 from hpsweep.runs._model_folder import README, best_run_readme, copy_model, model_kind_of
@@ -26,6 +26,7 @@ MAX_NAME = 100
 RESERVED = {BEST_DIR, BEST_FILE, "report.html", "wandb_sweep.json", "wandb", "mlruns", "mlflow.db"}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_T = TypeVar("_T")
 
 
 # --- names ---------------------------------------------------------------------------------------
@@ -248,21 +249,83 @@ def best_records(records: Sequence[TrialRecord], directions: Sequence[str]) -> l
     ]
 
 
-def promote_if_best(output_dir: Path, record: TrialRecord, *, where: str | None = None) -> bool:
-    """Make ``record`` the sweep's best run if it beats the current one; returns whether it did.
+def front_with(
+    front: Sequence[_T],
+    new: _T,
+    directions: Sequence[str],
+    objective: Callable[[_T], Sequence[float]],
+) -> list[_T]:
+    """The Pareto front of ``front`` (itself a front) and ``new``, in at most two comparisons per
+    trial of ``front``: ``new`` stays out if one of them dominates it, else it joins and those it
+    dominates leave.
 
-    Runs under a file lock, so parallel workers and processes never interleave promotions.
-    ``best/`` (swapped in atomically) gets the model's files of the trial's checkpoint, not its
-    training state, with a README.md whose usage loads it from ``where`` (``out/best``).
+    A trial dominated once stays dominated, so the front of every trial so far is the front of the
+    last front and the newest trial: a promotion costs the front's size, not the sweep's. With
+    objectives that do not move together, the front of N trials holds O(log N) of them for two
+    directions (O(log^(d-1) N) for d).
+    """
+    value = objective(new)
+    kept = []
+    for old in front:
+        if dominates(objective(old), value, directions):
+            return list(front)  # then ``new`` dominates none of them either
+        if not dominates(value, objective(old), directions):
+            kept.append(old)
+    return [*kept, new]
+
+
+def front_after(current: Any, entry: dict[str, Any], record: TrialRecord) -> list[Any] | None:
+    """The front a ``best_run.json`` holds (``current``) with ``record`` offered to it
+    (``entry``: its `BestRun` as written there), by number; None when it must be computed again
+    from every record: there is no front yet (or not one of these directions), or a trial of the
+    front comes back with another objective or state (it ran again, or was edited), so the trials
+    it dominated may be back. The same trial with the same objective takes its own place."""
+    n = len(record.directions)
+    if not isinstance(current, list) or not all(_is_entry(e, n) for e in current):
+        return None
+    done = record.state == "complete" and isinstance(record.objective, (list, tuple))
+    earlier = [e for e in current if e["run_id"] == record.id]
+    if earlier:
+        if not done or earlier[0]["objective"] != list(record.objective):  # type: ignore[arg-type]
+            return None
+        return _by_number([*(e for e in current if e["run_id"] != record.id), entry])
+    if not done:
+        return current
+    return _by_number(front_with(current, entry, record.directions, lambda e: e["objective"]))
+
+
+def _is_entry(entry: Any, n: int) -> bool:
+    """Whether ``entry`` is a `BestRun` of a front of ``n`` directions, as written."""
+    return (
+        isinstance(entry, dict)
+        and "run_id" in entry
+        and isinstance(entry.get("objective"), list)
+        and len(entry["objective"]) == n
+    )
+
+
+def _by_number(front: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(
+        front, key=lambda e: ((e.get("run_summary") or {}).get("number", -1), e["run_id"])
+    )
+
+
+def promote_if_best(output_dir: Path, record: TrialRecord, *, where: str | None = None) -> bool:
+    """Make ``record`` the sweep's best run if it beats the current one; returns whether it did
+    (several directions: whether it is on the Pareto front, `front_after`).
+
+    Runs under a file lock, so parallel workers and processes never interleave promotions. It
+    reads ``best_run.json``, not every trial's record, so it costs the same at the 10,000th trial
+    as at the first (several directions: what the front's size costs, `front_with`). ``best/``
+    (swapped in atomically) gets the model's files of the trial's checkpoint, not its training
+    state, with a README.md whose usage loads it from ``where`` (``out/best``).
     """
     from filelock import FileLock
 
     with FileLock(str(output_dir / ".best.lock")):
         current = read_json(output_dir / BEST_FILE)
         if len(record.directions) > 1:
-            front = best_records(read_trials(output_dir), record.directions)
-            write_json(output_dir / BEST_FILE, [BestRun.from_record(r).to_dict() for r in front])
-            return any(r.id == record.id for r in front)
+            return _promote_to_front(output_dir, record, current)
         current_value = current.get("objective") if isinstance(current, dict) else None
         if not is_better(record.objective, current_value, record.directions[0]):  # type: ignore[arg-type]
             return False
@@ -276,6 +339,41 @@ def promote_if_best(output_dir: Path, record: TrialRecord, *, where: str | None 
                 (tmp / README).write_text(readme, encoding="utf-8")
         write_json(output_dir / BEST_FILE, best.to_dict())
         return True
+
+
+def _promote_to_front(output_dir: Path, record: TrialRecord, current: Any) -> bool:
+    """Several directions: ``best_run.json`` becomes the front it holds with ``record`` offered to
+    it (or, when `front_after` says so, the front of every record on disk)."""
+    entry = BestRun.from_record(record).to_dict()
+    front = front_after(current, entry, record)
+    if front is None:
+        return any(r.id == record.id for r in _write_front(output_dir, record.directions))
+    if not any(e is entry for e in front):
+        return False
+    write_json(output_dir / BEST_FILE, front)
+    return True
+
+
+def _write_front(output_dir: Path, directions: Sequence[str]) -> list[TrialRecord]:
+    """``best_run.json`` as the Pareto front of every record on disk (each one read)."""
+    front = best_records(read_trials(output_dir), directions)
+    write_json(output_dir / BEST_FILE, [BestRun.from_record(r).to_dict() for r in front])
+    return front
+
+
+def settle_front(output_dir: Path) -> None:
+    """Once a command ends, a sweep of several directions: ``best_run.json`` made the front of
+    every record on disk, so a trial whose process died between its record and its promotion is
+    on it too. Reads every record, once a command; a sweep of one direction is left as it is."""
+    from filelock import FileLock
+
+    current = read_json(output_dir / BEST_FILE)
+    if isinstance(current, dict) and current:  # one direction's best run
+        return
+    with FileLock(str(output_dir / ".best.lock")):
+        records = read_trials(output_dir)
+        if records and len(records[0].directions) > 1:
+            _write_front(output_dir, records[0].directions)
 
 
 def read_best(output_dir: Path) -> BestRun | list[BestRun] | None:

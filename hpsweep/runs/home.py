@@ -67,9 +67,11 @@ from hpsweep.runs._records import (
     BestRun,
     TrialRecord,
     best_records,
+    front_after,
     is_better,
     promote_if_best,
     safe_name,
+    settle_front,
 )
 
 #: In an uploaded checkpoint folder, written after all its files: the checkpoint is whole.
@@ -126,7 +128,9 @@ class Home:
         return promote_if_best(self.local, record)
 
     def settle(self) -> None:
-        """At the end of a command: leave the home's best, and this machine's copy of it, right."""
+        """At the end of a command: leave the home's best, and this machine's copy of it, right
+        (here: a Pareto front that lacks a trial whose process died as it was promoted gets it)."""
+        settle_front(self.local)
 
     def snapshot(self, dest: Path, checkpoints: bool = False) -> Path:
         """A local folder holding the records and ``best_run.json`` (and ``best/``): the folder itself."""
@@ -270,9 +274,9 @@ class RemoteHome(Home):
         here = Path(record.run_dir).parent
         promote_if_best(here, record, where=self._where)
         with FileLock(str(here / ".best-home.lock")):  # this machine's workers, one at a time
-            if len(record.directions) > 1:
-                return self._write_front()
             current = self._read_best()
+            if len(record.directions) > 1:
+                return self._promote_to_front(record, current)
             value = current.get("objective") if isinstance(current, dict) else None
             if not is_better(record.objective, value, record.directions[0]):  # type: ignore[arg-type]
                 return False
@@ -355,6 +359,19 @@ class RemoteHome(Home):
             self.fs.rm(stale)
         readme = best_run_readme(best, kind, self._where)
         self.fs.pipe_file(f"{self._best}/{README}", readme.encode())
+
+    def _promote_to_front(self, record: TrialRecord, current: Any) -> bool:
+        """Several directions: the home's ``best_run.json`` becomes the front it holds with
+        ``record`` offered to it, one read and one write whatever the size of the sweep; every
+        record at the home is read only when `front_after` says so (and by `settle`)."""
+        entry = self._best_at_home(record).to_dict()
+        front = front_after(current, entry, record)
+        if front is None:
+            return self._write_front()
+        if not any(e is entry for e in front):
+            return False
+        self.fs.pipe_file(f"{self.root}/{BEST_FILE}", _json_bytes(front))
+        return True
 
     def _write_front(self, records: list[TrialRecord] | None = None) -> bool:
         """Several directions: ``best_run.json`` is the Pareto front of every trial at the home."""

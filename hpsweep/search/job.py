@@ -61,7 +61,7 @@ class SweepJob:
     #: keyword arguments it was given.
     trainer_cls: Any = None
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.distributed`).
+    #: Data-parallel processes per trial (``--processes-per-trial``; see `hpsweep.devices.data_parallel`).
     processes_per_trial: int = 1
     #: The object-store home (`hpsweep.runs.RemoteHome`) when ``--output-dir`` is a URL; None
     #: when the output folder is the home.

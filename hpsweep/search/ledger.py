@@ -20,9 +20,11 @@ Guarantees (docs/guarantees.md), whatever process or command runs the trials:
 - **Failures.** `Ledger.failures_since` counts failed trials, so ``--max-failed-trials`` ends a
   command that keeps failing, while a later command (after the cause is fixed) runs what is missing.
 - **Reading.** The ledger keeps the records in memory (`runs.TrialIndex`), so a claim costs the
-  same at the 2,000th trial as at the first: it reads the records the journal names (every
+  same at the 10,000th trial as at the first: it reads the records the journal names (every
   ``trial.json`` write, by any process, appends one line) and the ``running``/``stopped`` ones, and
-  lists the whole folder when a lease died and every few seconds, for records edited by hand.
+  lists the whole folder when a lease died and now and then, for records edited by hand (at most
+  a small fixed share of the time: see `runs.TrialIndex`). A trial's number and one trial's record
+  are answered from what the index keeps, not by reading every record.
 
 Who calls what. The search layer's loop (`hpsweep.search.loop`) makes these calls for the
 ask/tell backends (Optuna, W&B without a server). An executor backend, whose trials start
@@ -229,10 +231,11 @@ class Ledger:
     def record(self, trial_id: str) -> runs.TrialRecord | None:
         """The record of ``trial_id`` as it is on disk now (a copy, to change and save), or None.
 
-        Read fresh (see `records`): whoever claims it writes it back whole, so it must not be a
-        version older than what another host wrote.
+        Its own file is read again (`runs.TrialIndex.lookup`, at a cost that does not grow with
+        the sweep): whoever claims it writes it back whole, so it must not be a version older than
+        what another host wrote.
         """
-        found = next((r for r in self.records(fresh=True) if r.id == str(trial_id)), None)
+        found = self.index.lookup(str(trial_id))
         return None if found is None else dataclasses.replace(found)
 
     def finished(self) -> int:
@@ -240,7 +243,10 @@ class Ledger:
         return self.index.count(*FINISHED)
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
-        return [r for r in self.records("failed") if (r.finished_at or 0) >= since]
+        """The trials that failed since ``since``, by number (`runs.TrialIndex.failed_since`:
+        what they cost, not what every failed trial of the sweep does)."""
+        self.index.refresh()
+        return self.index.failed_since(since)
 
     # --- counting and numbering ---------------------------------------------------------------------
 
@@ -266,11 +272,10 @@ class Ledger:
         letting the lock go: the lease holds the number until the trial's record does.
         """
         self.index.refresh()
-        taken = {r.number for r in self.index.records()}
-        taken.update(lease.number for lease in self.live() if lease.number is not None)
-        if prefer is not None and prefer not in taken:
+        leased = {lease.number for lease in self.live() if lease.number is not None}
+        if prefer is not None and prefer not in leased and not self.index.has_number(prefer):
             return prefer
-        return max(taken, default=-1) + 1
+        return max(self.index.max_number(), max(leased, default=-1)) + 1
 
     # --- reaping and claiming -----------------------------------------------------------------------
 
@@ -420,12 +425,10 @@ class Ledger:
 
         Then `reap`: the trials whose process died with the batch wait to run again.
         """
-        by_id = {r.id: r for r in self.records(fresh=True)}
         for trial_id in map(str, trial_ids):
-            record = by_id.get(trial_id)
+            record = self.record(trial_id)
             if record is None:
                 continue
-            record = dataclasses.replace(record)  # the index's own stays as read
             cut_short = stopped_at is not None and (record.finished_at or 0) >= stopped_at
             if record.state == "pruned" and cut_short:
                 record.finish(AGAIN, error="the sweep stopped while it ran")

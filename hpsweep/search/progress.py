@@ -61,7 +61,7 @@ class SweepProgress:
         # its own: it is refreshed on the display's thread
         self._index = runs.TrialIndex(output_dir)
         self._ended: set[str] = set()
-        self._best = _Best(directions)
+        self._best = _Best(directions, self._index.records)
         self._study_counts, self._counts_every = counts, counts_every
         self._counts: Counts | None = None
         self._counted_at = -float("inf")
@@ -274,19 +274,39 @@ class Counts:
 
 
 class _Best:
-    """The best complete trial (the Pareto front for several directions), kept as trials end."""
+    """The best complete trial (the Pareto front for several directions), kept as trials end.
 
-    def __init__(self, directions: list[str]) -> None:
+    Args:
+        directions: the sweep's.
+        everything: every record known now, for the rare offer that needs them all.
+    """
+
+    def __init__(
+        self, directions: list[str], everything: Callable[[], list[runs.TrialRecord]]
+    ) -> None:
         self.directions = directions
         self.front: list[runs.TrialRecord] = []
+        self._everything = everything
 
     def offer(self, record: runs.TrialRecord) -> None:
-        """Take in a record that changed (a trial run again replaces its earlier self)."""
-        others = [r for r in self.front if r.id != record.id]
-        if record.state == "complete" and record.objective is not None:
-            self.front = runs.best_records([*others, record], self.directions)
-        elif len(others) < len(self.front):  # rare: a best trial runs again
-            self.front = others
+        """Take in a record that changed, at a cost that follows the front, not the sweep: it joins
+        the front or not (`runs.front_with`). A trial of the front written again keeps its place
+        while its objective stays; otherwise (it runs again, or was edited) the trials it
+        dominated may be back, and the front is computed again from every record."""
+        at = next((i for i, r in enumerate(self.front) if r.id == record.id), None)
+        if at is not None:
+            if record.state == "complete" and record.objective == self.front[at].objective:
+                self.front = [*self.front[:at], record, *self.front[at + 1 :]]
+            else:
+                self.front = runs.best_records(self._everything(), self.directions)
+        elif record.state != "complete" or record.objective is None:
+            return
+        elif len(self.directions) > 1:
+            self.front = runs.front_with(self.front, record, self.directions, lambda r: r.objective)
+        elif not self.front or runs.is_better(
+            record.objective, self.front[0].objective, self.directions[0]
+        ):
+            self.front = [record]
 
     def text(self, objective_name: str) -> str:
         if len(self.directions) == 1 and self.front:

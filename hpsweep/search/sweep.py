@@ -440,15 +440,15 @@ def _trial_runner(job: SweepJob, settings: SearchSettings) -> TrialRunner:
 
 
 def settle_home(job: SweepJob) -> None:
-    """An object-store home: its best run made right (two machines may have finished at once)
-    and brought here; a failure leaves this machine's best, with one line saying so."""
-    if job.home is None:
-        return
+    """The home's best run made right (two machines may have finished at once; a Pareto front
+    may lack a trial whose process died as it was promoted) and, from an object store, brought
+    here; a failure leaves this machine's best, with one line saying so."""
+    home = job.runs_home
     try:
-        job.home.settle()
+        home.settle()
     except Exception as exc:
         print(
-            f"hpsweep: warning: could not read the best run at {job.home.url} ({type(exc).__name__}); "
+            f"hpsweep: warning: could not read the best run at {home.url} ({type(exc).__name__}); "
             "this machine's best is returned, and the next command to finish puts the study's best there",
             file=sys.stderr,
         )

@@ -11,18 +11,16 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpsweep import runs
 from hpsweep.runs import read_json
+from hpsweep.train.run_state import LoopTrainer
 from hpsweep.train.training_loop import TrainingLoop, TrainOutput
-
-if TYPE_CHECKING:
-    from hpsweep.train.trainer import Trainer
 
 
 def train_finding_batch_size(
-    trainer: Trainer, resume_from_checkpoint: str | bool | None, trial: Any
+    trainer: LoopTrainer, resume_from_checkpoint: str | bool | None, trial: Any
 ) -> TrainOutput:
     """``trainer``'s training run, and when a step runs out of memory (accelerate's
     ``should_reduce_batch_size``: CUDA, XPU, MPS, HPU or the CPU allocator), a new run from the
@@ -59,7 +57,7 @@ def train_finding_batch_size(
         size, checkpoint = size // 2, None
 
 
-def _forget_the_attempt(trainer: Trainer, output_dir: Path, kept: set[Path]) -> None:
+def _forget_the_attempt(trainer: LoopTrainer, output_dir: Path, kept: set[Path]) -> None:
     """Remove the checkpoints a failed attempt wrote in ``output_dir`` (all but ``kept``) and give
     its memory back."""
     from hpsweep.devices import memory

@@ -3,7 +3,7 @@ predictions and metrics, and the `Trainer` methods built on it (`evaluate`, `pre
 
 `Evaluation` is a mixin of `Trainer` (as transformers' models take ``generate`` from
 ``GenerationMixin``): it reads the trainer's ``args``, ``state``, model, callbacks and metric
-functions, and keeps the training loop's module to the loop.
+functions, and keeps its prepared loaders in the run's `RunState` (``run_state``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ import torch
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
 from hpsweep.train.batch_size_finder import not_a_smaller_train_batch
-from hpsweep.train.callbacks import EvalLoopOutput, MetricCallback, PredictionOutput
+from hpsweep.train.callbacks import (
+    CallbackHandler,
+    EvalLoopOutput,
+    MetricCallback,
+    PredictionOutput,
+)
 from hpsweep.train.data import (
     batch_labels,
     batch_size,
@@ -40,14 +45,19 @@ from hpsweep.train.predictions import (
     predictions_of,
     smooths_labels,
 )
+from hpsweep.train.run_state import RunState
 
 
 class Evaluation:
     """`Trainer.evaluate` and `Trainer.predict`, and the pass they share. The trainer provides
     ``args``, ``state``, ``control``, the model (``model``, ``model_wrapped``, ``model_init``),
     ``compute_loss``, ``log``, ``compute_metrics``, ``preprocess_logits_for_metrics``,
-    ``compute_loss_func``, its callback handler and its ``_dataloader``. ``label_names`` is set
-    for each pass, as transformers' Trainer names them: the labels `prediction_step` looks for."""
+    ``compute_loss_func``, its callback handler, its ``_dataloader`` and its ``run_state``.
+    ``label_names`` is set for each pass, as transformers' Trainer names them: the labels
+    `prediction_step` looks for."""
+
+    callback_handler: CallbackHandler
+    run_state: RunState
 
     def evaluate(
         self,
@@ -91,11 +101,11 @@ class Evaluation:
             metrics, prediction = self._evaluation(
                 dataset, ignore_keys, metric_key_prefix, predicting=False
             )
-        for callback in self._handler.callbacks:
+        for callback in self.callback_handler.callbacks:
             if isinstance(callback, MetricCallback):
                 metrics.update(callback.metrics(prediction, metric_key_prefix))
         self.log(metrics)
-        self._handler.fire(
+        self.callback_handler.fire(
             "on_evaluate",
             self.args,
             self.state,
@@ -130,7 +140,9 @@ class Evaluation:
         metrics, prediction = self._evaluation(
             test_dataset, ignore_keys, metric_key_prefix, predicting=True
         )
-        self._handler.fire("on_predict", self.args, self.state, self.control, metrics=metrics)
+        self.callback_handler.fire(
+            "on_predict", self.args, self.state, self.control, metrics=metrics
+        )
         if prediction is None:
             return PredictionOutput(None, None, metrics)
         return PredictionOutput(prediction.predictions, prediction.label_ids, metrics)
@@ -142,7 +154,7 @@ class Evaluation:
         predictions (None when nobody needs them). The metrics end, as transformers' do, with the
         pass's ``<prefix>_runtime``, ``_samples_per_second`` and ``_steps_per_second``."""
         # skip_memory_metrics=False, outside a training run (which counts its evaluations itself)
-        training = getattr(self, "_memory_tracker", None) is not None
+        training = self.run_state.memory is not None
         memory = None if training else MemoryTracker.start(self.args, prefix)
         try:
             metrics, prediction = self._timed_evaluation(dataset, ignore_keys, prefix, predicting)
@@ -160,7 +172,7 @@ class Evaluation:
         # with batch_eval_metrics, compute_metrics reads each batch as it comes, not the whole
         metrics_read_all = self.compute_metrics is not None and not self.args.batch_eval_metrics
         wanted = (predicting or metrics_read_all) and not self.args.prediction_loss_only
-        collect = wanted or self._handler.needs_predictions()
+        collect = wanted or self.callback_handler.needs_predictions()
         with not_a_smaller_train_batch(self.args):
             # a subclass's own loop, as transformers
             if type(self).evaluation_loop is not Evaluation.evaluation_loop:
@@ -240,7 +252,7 @@ class Evaluation:
         acc, model = self.accelerator, self.model_wrapped
         if not is_prepared_loader(dl):  # an override's own DataLoader
             dl = acc.prepare(dl)
-        self._eval_dataloader = dl
+        self.run_state.eval_dataloader = dl
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(0)  # every evaluation reads the data as the first one did
         unwrapped = bare_model(model)
@@ -270,8 +282,8 @@ class Evaluation:
             prediction_loss_only=not collector.enabled,
             ignore_keys=ignore_keys if ignore_keys is not None else ignore_keys_for(unwrapped),
         )
-        if self._handler.listens("on_prediction_step"):
-            step = functools.partial(_then_fire, step, self._handler, self)
+        if self.callback_handler.listens("on_prediction_step"):
+            step = functools.partial(_then_fire, step, self.callback_handler, self)
         loss, rows = evaluation_loop(
             model, dl, step, collector, full_eval_precision(self.args, acc.device)
         )
@@ -311,7 +323,7 @@ class Evaluation:
         # One prepared loader per dataset and training run: building and preparing it anew cost
         # every evaluation more than a small model's forward passes (and grew accelerate's list).
         acc = self.accelerator
-        loaders = self.__dict__.setdefault("_eval_loaders", {})
+        loaders = self.run_state.eval_loaders
         key = (id(dataset), self.args.per_device_eval_batch_size, id(acc))
         if key not in loaders:
             loaders[key] = (

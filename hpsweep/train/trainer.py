@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.train import optim
 from hpsweep.train.arguments import TrainingArguments
@@ -55,6 +54,7 @@ from hpsweep.train.predictions import (
     loss_of,
     smooths_labels,
 )
+from hpsweep.train.run_state import RunState
 from hpsweep.train.training_loop import TrainingLoop, TrainOutput
 from hpsweep.train.transformers_api import TransformersTrainerAPI
 from hpsweep.train.transformers_args import as_training_arguments
@@ -138,10 +138,12 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         self._columns_removed: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.state = TrainerState()
         self.control = TrainerControl()
-        self._handler = CallbackHandler(
+        # each training run hands its own (`TrainingLoop`); evaluations before any use this one
+        self.run_state = RunState()
+        self.callback_handler = CallbackHandler(
             self._default_callbacks() + self.user_callbacks, _context_of(weakref.ref(self))
         )
-        self._handler.fire("on_init_end", self.args, self.state, self.control)
+        self.callback_handler.fire("on_init_end", self.args, self.state, self.control)
 
     @property
     def processing_class(self) -> Any:
@@ -164,8 +166,8 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             "processing_class": self.processing_class,
             "optimizer": self.optimizer,
             "lr_scheduler": self.lr_scheduler,
-            "train_dataloader": getattr(self, "_train_dataloader", None),
-            "eval_dataloader": getattr(self, "_eval_dataloader", None),
+            "train_dataloader": self.run_state.train_dataloader,
+            "eval_dataloader": self.run_state.eval_dataloader,
         }
 
     def _default_callbacks(self) -> list[TrainerCallback]:
@@ -260,9 +262,9 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         the ``on_before_backward`` / ``on_after_backward`` events around it); returns the loss,
         detached. The loop clips, steps the optimizer and zeroes the gradients afterwards."""
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        self._handler.fire("on_before_backward", self.args, self.state, self.control)
-        self._step_ops.backward(loss)
-        self._handler.fire("on_after_backward", self.args, self.state, self.control)
+        self.callback_handler.fire("on_before_backward", self.args, self.state, self.control)
+        self.run_state.step_ops.backward(loss)
+        self.callback_handler.fire("on_after_backward", self.args, self.state, self.control)
         return loss.detach()
 
     # --- training ----------------------------------------------------------------------------------
@@ -286,36 +288,6 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             return train_finding_batch_size(self, resume_from_checkpoint, trial)
         return TrainingLoop(self, trial).run(resume_from_checkpoint)
 
-    def _add_to_loss_total(self, running_loss: torch.Tensor, micro_steps: int) -> float:
-        """Add an interval's summed loss (data-parallel: the processes' mean) to the run's; returns it."""
-        interval = float(self.accelerator.reduce(running_loss, "mean")) if micro_steps else 0.0
-        self._loss_total = (self._loss_total[0] + interval, self._loss_total[1] + micro_steps)
-        return interval
-
-    def _log_save_evaluate(
-        self, running_loss: torch.Tensor, logged_steps: int
-    ) -> tuple[torch.Tensor, int]:
-        """Do what the flow and callbacks asked for at the end of a step or an epoch: log the loss
-        of the ``logged_steps`` micro-steps summed in ``running_loss``, evaluate, save a checkpoint.
-        Returns the running loss and its count, started again when they were logged."""
-        control = self.control
-        # data-parallel: the processes' mean, reduced only here
-        if control.should_log and logged_steps:
-            loss = round(self._add_to_loss_total(running_loss, logged_steps) / logged_steps, 6)
-            grad_norm = {} if self._grad_norm is None else {"grad_norm": float(self._grad_norm)}
-            logs = {"loss": loss, **grad_norm, "learning_rate": self.lr_scheduler.get_last_lr()[0]}
-            self.log(logs)
-            running_loss, logged_steps = torch.zeros_like(running_loss), 0
-        control.should_log = False
-        if control.should_evaluate:
-            metrics = self.evaluate()
-            self._track_best(metrics)
-        control.should_evaluate = False
-        if control.should_save:
-            self.save_checkpoint(wait=False)
-        control.should_save = False
-        return running_loss, logged_steps
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Hand ``logs`` with the epoch to the ``on_log`` callbacks and append them, with the step too,
         to ``state.log_history``, as transformers does; with ``include_num_input_tokens_seen``, the
@@ -325,27 +297,16 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
-        self._handler.fire("on_log", self.args, self.state, self.control, logs=logs)
+        self.callback_handler.fire("on_log", self.args, self.state, self.control, logs=logs)
 
-    def _track_best(self, metrics: Mapping[str, float]) -> None:
-        args = self.args
-        # transformers' rule: load_best_model_at_end without a metric keeps the lowest eval_loss
-        metric = args.metric_for_best_model or (
-            "eval_loss" if args.load_best_model_at_end else None
-        )
-        if metric is None:
-            return
-        from hpsweep.train.metrics import metric_value
-
-        value = metric_value(metrics, metric, "metric_for_best_model")
-        # the best is a checkpoint: only evaluations that get one count
-        if not self.control.should_save:
-            return
-        greater = bool(args.greater_is_better) and args.metric_for_best_model is not None
-        if runs.is_better(value, self.state.best_metric, "maximize" if greater else "minimize"):
-            self.state.best_metric = value
-            self.state.best_model_checkpoint = str(self._checkpoint_dir())
-            self.state.best_global_step = self.state.global_step
+    def release_run(self) -> None:
+        """Drop what the last run holds (model, optimizer, scheduler, accelerator, its prepared
+        loaders and per-step operations) so that its memory can go, as a sweep's worker does
+        between trials (`hpsweep.devices.memory.release`); ``state`` stays readable."""
+        self.model = self.model_wrapped = self.model_init = None
+        self.optimizer = self.lr_scheduler = self.optimizers = None
+        self.accelerator = None
+        self.run_state = RunState()
 
     # --- the loss -----------------------------------------------------------------------------------
 

@@ -5,14 +5,17 @@
     ├── on_run_start     the state, the resume, on_train_begin
     ├── run_epoch        for each epoch: its batches, then on_epoch_end and its log/save/evaluate
     │   └── advance      one micro-batch: training_step, the optimizer step when gradients sync
-    │       └── on_step_end   on_step_end and its log/save/evaluate (Trainer._log_save_evaluate)
+    │       └── on_step_end   on_step_end and its log/save/evaluate (log_save_evaluate)
     └── on_run_end       the best model, the train_* summary, on_train_end
 
 The loop calls the trainer's override points (``get_train_dataloader``,
 ``create_optimizer_and_scheduler``, ``training_step``, ``evaluate``, ``save_checkpoint``, ``log``,
 ...) where transformers' loop does, and keeps on the trainer what callbacks and overrides read
-there (``model_wrapped``, ``optimizer``, ``state``, ...). What only the loop needs (the running
-loss, where a resume starts) lives on the loop, which is gone when the run ends.
+there (``model_wrapped``, ``optimizer``, ``state``, ...). What the run has besides (its prepared
+batches and per-step operations, checkpoint writer, loss total, gradient norm) is one `RunState`,
+made here and handed to the trainer as ``run_state``; what only the loop needs (the loss since the
+last log, where a resume starts) lives on the loop, which is gone when the run ends. The loop
+knows the trainer as a `LoopTrainer`: its public attributes and override points, nothing else.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,14 +32,13 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
 from hpsweep.train.callbacks import TrainerControl, TrainerState, flow_on_epoch, flow_on_step
+from hpsweep.train.checkpointing import checkpoint_dir, load_checkpoint
 from hpsweep.train.memory_metrics import MemoryTracker, stop_tracking
-from hpsweep.train.metrics import speed_metrics
+from hpsweep.train.metrics import metric_value, speed_metrics
 from hpsweep.train.model_init import enable_activation_checkpointing
 from hpsweep.train.model_init import set_seed as _set_seed
+from hpsweep.train.run_state import LoopTrainer, RunState
 from hpsweep.train.steps import step_ops
-
-if TYPE_CHECKING:
-    from hpsweep.train.trainer import Trainer
 
 
 class TrainOutput(NamedTuple):
@@ -53,12 +55,13 @@ class TrainingLoop:
     """One training run of ``trainer``, from scratch or from a checkpoint; ``trial`` builds the
     model (``model_init(trial)``) and is recorded in the state.
 
-    A loop runs once. Its attributes are set as `run` reaches them: the run's accelerator
-    (``acc``), prepared model and loader, per-step operations (``ops``), state and control, where
-    a resume starts, and the loss summed since the last log (``running_loss``, ``logged_steps``).
+    A loop runs once. Its attributes are set as `run` reaches them: the run's `RunState`
+    (``run_state``), accelerator (``acc``), prepared model and loader, per-step operations (``ops``),
+    state and control, where a resume starts, and the loss summed since the last log
+    (``running_loss``, ``logged_steps``).
     """
 
-    def __init__(self, trainer: Trainer, trial: Any = None) -> None:
+    def __init__(self, trainer: LoopTrainer, trial: Any = None) -> None:
         self.trainer = trainer
         self.trial = trial
 
@@ -67,7 +70,9 @@ class TrainingLoop:
         one); every checkpoint is on disk when this returns, or raises."""
         self.args, self.started = self.trainer.args, time.time()
         # skip_memory_metrics=False: the run's memory, evaluations during it included
-        self.memory = self.trainer._memory_tracker = MemoryTracker.start(self.args, "train")
+        self.run_state = self.trainer.run_state = RunState(
+            memory=MemoryTracker.start(self.args, "train")
+        )
         try:
             checkpoint = self.set_up(resume_from_checkpoint)
             self.on_run_start(checkpoint)
@@ -76,14 +81,14 @@ class TrainingLoop:
                     self.run_epoch(epoch)
                     if self.control.should_training_stop:
                         break
-                self.trainer._checkpoint_writer.wait()
+                self.run_state.writer.wait()
             except BaseException as exc:
                 self.on_exception(exc)
                 raise
             return self.on_run_end()
         finally:
-            stop_tracking(self.memory)
-            self.trainer._memory_tracker = None
+            stop_tracking(self.run_state.memory)
+            self.run_state.memory = None
 
     # --- before the first step ---------------------------------------------------------------------
 
@@ -98,7 +103,6 @@ class TrainingLoop:
         checkpoint = runs.resolve_checkpoint(Path(args.output_dir), resume_from_checkpoint)
 
         self.acc = trainer.accelerator = make_accelerator(trainer.args)
-        trainer._eval_loaders = {}  # prepared loaders belong to one accelerator
         train_dl = trainer.get_train_dataloader()
         # an override of get_train_dataloader may prepare it itself
         prepared = is_prepared_loader(train_dl)
@@ -140,11 +144,11 @@ class TrainingLoop:
                 trainer.model, trainer.optimizer, train_dl, trainer.lr_scheduler
             )
         self.model = trainer.model_wrapped
-        self.train_dl = trainer._train_dataloader = train_dl
+        self.train_dl = self.run_state.train_dataloader = train_dl
         # max_steps counts optimizer steps: one schedule step each, not one per process
         if acc.num_processes > 1:
             trainer.lr_scheduler.split_batches = True
-        self.ops = trainer._step_ops = step_ops(
+        self.ops = self.run_state.step_ops = step_ops(
             acc, self.args, trainer.optimizer, trainer.lr_scheduler, train_dl
         )
         trainer.accelerate_wrappers_skipped = self.ops.plain
@@ -154,10 +158,9 @@ class TrainingLoop:
         the steps start."""
         trainer, args = self.trainer, self.args
         self.state = trainer.state = self._new_state()
-        self.rng_state = trainer._load_checkpoint(checkpoint) if checkpoint is not None else None
+        self.rng_state = load_checkpoint(trainer, checkpoint) if checkpoint is not None else None
         self.control = trainer.control = TrainerControl()
-        trainer._checkpoint_writer = runs.CheckpointWriter()
-        self.handler = trainer._handler
+        self.handler = trainer.callback_handler
         self.handler.fire("on_train_begin", args, self.state, self.control)
         if args.eval_on_start:  # transformers' check of the evaluation before the first step
             trainer.evaluate()
@@ -170,9 +173,6 @@ class TrainingLoop:
         self.accumulation = args.gradient_accumulation_steps
         self.running_loss = torch.zeros((), device=self.acc.device)
         self.logged_steps = 0
-        # the logged intervals' summed loss and their micro-steps: train_loss
-        trainer._loss_total = (0.0, 0)
-        trainer._grad_norm = None  # the last optimizer step's (when clipping)
 
     def _new_state(self) -> TrainerState:
         """The state of a run from its first step (a resume then loads its checkpoint's)."""
@@ -218,7 +218,7 @@ class TrainingLoop:
         state.epoch = float(epoch + 1) if not control.should_training_stop else state.epoch
         flow_on_epoch(args, state, control)
         self.handler.fire("on_epoch_end", args, state, control)
-        self._log_save_evaluate()
+        self.log_save_evaluate()
 
     def advance(self, epoch: int, skipped: int, micro_step: int, batch: Any) -> bool:
         """Train on one micro-batch, the ``micro_step``-th of ``epoch`` after the ``skipped`` ones
@@ -235,7 +235,7 @@ class TrainingLoop:
             if synced:
                 # the norm before clipping, logged as transformers does
                 if args.max_grad_norm > 0:
-                    self.trainer._grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
+                    self.run_state.grad_norm = ops.clip(model.parameters(), args.max_grad_norm)
                 self.handler.fire("on_pre_optimizer_step", args, state, control)
             ops.optimizer_step()  # accelerate skips it while accumulating
             ops.scheduler_step()
@@ -272,14 +272,64 @@ class TrainingLoop:
         flow_on_step(args, state, control)
         self.handler.fire("on_step_end", args, state, control)
         if control.should_log or control.should_evaluate or control.should_save:
-            self._log_save_evaluate()
+            self.log_save_evaluate()
         return control.should_training_stop or control.should_epoch_stop
 
-    def _log_save_evaluate(self) -> None:
-        """`Trainer._log_save_evaluate` with the loss run since the last log."""
-        self.running_loss, self.logged_steps = self.trainer._log_save_evaluate(
-            self.running_loss, self.logged_steps
+    def log_save_evaluate(self) -> None:
+        """Do what the flow and callbacks asked for at the end of a step or an epoch: log the loss
+        summed since the last log, evaluate, save a checkpoint."""
+        control = self.control
+        if control.should_log and self.logged_steps:
+            self.log_loss()
+        control.should_log = False
+        if control.should_evaluate:
+            self.track_best(self.trainer.evaluate())
+        control.should_evaluate = False
+        if control.should_save:
+            self.trainer.save_checkpoint(wait=False)
+        control.should_save = False
+
+    def log_loss(self) -> None:
+        """Log the mean loss of the micro-steps since the last log (with the gradient norm and the
+        learning rate), and start summing again."""
+        interval = self.count_loss()
+        loss = round(interval / self.logged_steps, 6)
+        norm = self.run_state.grad_norm
+        logs = {
+            "loss": loss,
+            **({} if norm is None else {"grad_norm": float(norm)}),
+            "learning_rate": self.trainer.lr_scheduler.get_last_lr()[0],
+        }
+        self.trainer.log(logs)
+        self.running_loss, self.logged_steps = torch.zeros_like(self.running_loss), 0
+
+    def count_loss(self) -> float:
+        """Add the loss summed since the last log (data-parallel: the processes' mean, reduced
+        only here) to the run's total; returns it."""
+        steps = self.logged_steps
+        interval = float(self.acc.reduce(self.running_loss, "mean")) if steps else 0.0
+        self.run_state.add_loss(interval, steps)
+        return interval
+
+    def track_best(self, metrics: Mapping[str, float]) -> None:
+        """Remember the checkpoint this step saves as the best when ``metrics`` beat the best so
+        far (``metric_for_best_model``; under ``load_best_model_at_end`` without one, the lowest
+        ``eval_loss``, transformers' rule)."""
+        args, state = self.args, self.state
+        metric = args.metric_for_best_model or (
+            "eval_loss" if args.load_best_model_at_end else None
         )
+        if metric is None:
+            return
+        value = metric_value(metrics, metric, "metric_for_best_model")
+        # the best is a checkpoint: only evaluations that get one count
+        if not self.control.should_save:
+            return
+        greater = bool(args.greater_is_better) and args.metric_for_best_model is not None
+        if runs.is_better(value, state.best_metric, "maximize" if greater else "minimize"):
+            state.best_metric = value
+            state.best_model_checkpoint = str(checkpoint_dir(args, state))
+            state.best_global_step = state.global_step
 
     # --- the end ---------------------------------------------------------------------------------
 
@@ -287,7 +337,7 @@ class TrainingLoop:
         """An interrupted run keeps the checkpoint it was writing (a resume starts from it), then
         the callbacks hear of ``exc`` (``on_exception``)."""
         try:
-            self.trainer._checkpoint_writer.wait()
+            self.run_state.writer.wait()
         except Exception as write_error:  # reported with what stopped the run, not instead of it
             exc.add_note(
                 f"writing a checkpoint failed too: {type(write_error).__name__}: {write_error}"
@@ -300,11 +350,9 @@ class TrainingLoop:
         trainer, args, state = self.trainer, self.args, self.state
         if args.load_best_model_at_end and state.best_model_checkpoint:
             runs.load_weights(bare_model(self.model), Path(state.best_model_checkpoint))
-        # the steps after the last log
-        trainer._add_to_loss_total(self.running_loss, self.logged_steps)
-        # this run's steps: a resume's, since its checkpoint; none: NaN
-        total, micro_steps = trainer._loss_total
-        loss = total / micro_steps if micro_steps else float("nan")
+        self.count_loss()  # the steps after the last log
+        # this run's steps: a resume's, since its checkpoint
+        loss = self.run_state.train_loss()
         steps = state.global_step - self.first_step
         samples = steps * args.per_device_train_batch_size * self.accumulation
         summary = {
@@ -315,7 +363,7 @@ class TrainingLoop:
                 samples=samples * self.acc.num_processes,
             ),
             "train_loss": loss,
-            **stop_tracking(self.memory),
+            **stop_tracking(self.run_state.memory),
         }
         trainer.log(summary)  # as transformers ends: its on_log, then on_train_end
         self.handler.fire("on_train_end", args, state, self.control)

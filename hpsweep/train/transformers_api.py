@@ -27,6 +27,8 @@ from hpsweep.train.transformers_args import as_training_arguments
 class TransformersTrainerAPI:
     """transformers' ``Trainer`` methods besides the loop, for scripts and overrides written for it."""
 
+    callback_handler: CallbackHandler  # the trainer's callbacks (``.callbacks``), as transformers
+
     # --- the process -------------------------------------------------------------------------------
 
     def is_world_process_zero(self) -> bool:
@@ -82,24 +84,19 @@ class TransformersTrainerAPI:
 
     # --- callbacks ---------------------------------------------------------------------------------
 
-    @property
-    def callback_handler(self) -> CallbackHandler:
-        """The trainer's callbacks (``.callbacks``), as transformers names them."""
-        return self._handler
-
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         """Add a callback (an instance, or a class to instantiate), here and in every trial of a
         sweep."""
         callback = callback() if isinstance(callback, type) else callback
         # transformers warns too
-        if any(type(cb) is type(callback) for cb in self._handler.callbacks):
+        if any(type(cb) is type(callback) for cb in self.callback_handler.callbacks):
             warnings.warn(
                 f"add_callback: this Trainer already has a {type(callback).__name__}; both will "
                 "run (remove_callback removes the first)",
                 stacklevel=2,
             )
         self.user_callbacks.append(callback)
-        self._handler.add(callback)
+        self.callback_handler.add(callback)
 
     def pop_callback(
         self, callback: TrainerCallback | type[TrainerCallback]
@@ -109,13 +106,13 @@ class TransformersTrainerAPI:
         found = next(
             (
                 cb
-                for cb in self._handler.callbacks
+                for cb in self.callback_handler.callbacks
                 if (isinstance(cb, callback) if isinstance(callback, type) else cb == callback)
             ),
             None,
         )
         if found is not None:
-            self._handler.remove(found)
+            self.callback_handler.remove(found)
             self.user_callbacks = [cb for cb in self.user_callbacks if cb is not found]
         return found
 

@@ -1,8 +1,8 @@
-"""``hpsweep run``'s start-up heap (hpsweep.cli.startup_heap): its trials run with the collector on and the
-start-up heap frozen, in ``--n-jobs`` workers too, with what torch's first optimizer imports
-already there; what the space file left behind is collected, not kept; a program that runs the
-command in its own process gets its collector back as it was; the Python API leaves the
-collector alone."""
+"""``hpsweep run``'s start-up heap (hpsweep.cli.startup_heap): torch is frozen before the space file
+runs; its trials run with the collector on and the start-up heap frozen, in ``--n-jobs`` workers
+too, with what torch's first optimizer imports already there; what the space file left behind is
+collected, not kept; a program that runs the command in its own process gets its collector back
+as it was; the Python API leaves the collector alone."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from support import hpsweep_cli, write_space
 
 PROBE = '''
 import gc, json, os, sys, uuid, weakref
+
+_frozen_at_load = gc.get_freeze_count()  # what the command froze before the user's code ran
 
 class _Cycle:  # garbage a space file leaves: a reference cycle holding 10 MB, dropped once loaded
     pass
@@ -30,6 +32,7 @@ class Probe(hpsweep.TrainerCallback):
             return  # the Trainer that holds the search, not a trial's
         with open(os.path.join({folder!r}, f"probe-{{uuid.uuid4().hex}}.json"), "w") as f:
             json.dump({{"pid": os.getpid(), "collecting": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                       "frozen_at_load": _frozen_at_load,
                        "optimizer_imports_done": "torch._dynamo" in sys.modules,
                        "space_file_garbage_kept": _left_behind() is not None}}, f)
 
@@ -50,6 +53,8 @@ def test_trials_of_the_command_run_on_a_frozen_start_up_heap_with_the_collector_
     seen = _probes(probes)
     assert len(seen) == 4 and len({p["pid"] for p in seen}) == 2  # every trial, in both workers
     for p in seen:
+        # torch's objects were frozen before the space file loaded: no collection scans them
+        assert p["frozen_at_load"] > 100_000, p
         assert p["collecting"], p  # what trials make is collected
         # torch's, optuna's and the space file's objects are not scanned
         assert p["frozen"] > 10_000, p

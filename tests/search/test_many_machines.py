@@ -201,7 +201,9 @@ def test_a_machine_whose_trial_another_machine_took_over_stops_it_and_records_no
     run one trial. The one that lost it finds out at its next beat, stops at its next report,
     records nothing and goes on; the trial ends once, in the study and at the home."""
     url = pg.create_database("taken")
-    space = slow_space(tmp_path, step_s=1.0)  # 8 steps, a report every 4: a beat comes between
+    # 8 steps, a report every 4: the trial's first beat (5 s) is taken over, its second (10 s)
+    # comes before the last report (12 s)
+    space = slow_space(tmp_path, step_s=1.5)
     home = tmp_path / "home"
     args = sweep_args(space, url, "s5", home, 2)
     first = Machine(tmp_path, "m0", *args)

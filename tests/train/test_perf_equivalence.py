@@ -419,7 +419,7 @@ def test_a_trial_that_reads_no_checkpoints_trains_on_while_they_are_written(tmp_
     trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=5)
     trainer.add_callback(reporter)
     # so the loop's checkpoints are written in the background
-    assert not trainer._handler.reads_checkpoints()
+    assert not trainer.callback_handler.reads_checkpoints()
     trainer.train(trial=trial)
     # told at each evaluation (steps 5, 10, ..., 35, and the last, 39, as transformers 5 ends a steps schedule),
     # before its checkpoint is written

@@ -19,6 +19,7 @@ its next report and is recorded failed (`EndedOutside`); another runs in its pla
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from hpsweep.search.backends._study_ledger import (
     GRACE_S,
     HEARTBEAT_S,
     HOME,
+    Standing,
     StudyCounts,
     StudyLedger,
     check_home,
@@ -111,17 +113,16 @@ class OptunaTrial(Trial):
         ``fresh``; elsewhere (one machine) the study is read, which costs a journal's new lines."""
         fence = self.fence
         if fence is not None and not fresh:
-            how = "outside" if fence.ended_outside else "elsewhere" if fence.taken_over else "ours"
-            state = fence.ended_outside
+            how, state = fence.found, fence.ended_outside
         else:
             frozen = self._trial.storage.get_trial(self.ref)
-            how, state = standing(frozen, getattr(fence, "started", None)), frozen.state
-        if how == "elsewhere":
+            how, state = standing(frozen, fence), frozen.state
+        if how == Standing.ELSEWHERE:
             raise TakenOver(
                 f"trial {self.number} was judged dead (its heartbeat stopped) and runs on "
                 "another machine; this run of it stops and is not recorded"
             )
-        if how == "outside":
+        if how == Standing.OUTSIDE:
             self.ended_outside = state
             raise EndedOutside(ended_outside(self.number, state))
 
@@ -210,6 +211,8 @@ class OptunaBackend(Backend):
         #: the journal file holding the study, or None for another storage
         self.journal: Path | None = self.storage.path if self.storage.kind == "journal" else None
         self.study: optuna.Study | None = None
+        # (process id, storage): what `check_study` opened, for this process's sweep
+        self._checked: tuple[int, optuna.storages.BaseStorage] | None = None
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # trial.json records failures
 
     # --- the pieces Optuna provides -------------------------------------------------------------------
@@ -260,6 +263,11 @@ class OptunaBackend(Backend):
         return optuna.pruners.NopPruner()
 
     def _storage(self) -> optuna.storages.BaseStorage:
+        """The study's storage, opened: the one `check_study` opened in this process, else a new
+        one (a shared database's with its heartbeat and patience, `shared_database`)."""
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] == os.getpid():
+            return checked[1]
         if not self.shared:
             return open_storage(self.storage)
         return shared_database(self.storage)
@@ -358,13 +366,23 @@ class OptunaBackend(Backend):
 
     def check_study(self) -> None:
         """Refuse, before anything is written (not even to the study), a command that does not
-        match the study it names: another home, other directions, another space."""
+        match the study it names: another home, other directions, another space.
+
+        The storage is opened as the sweep opens it, and a sweep that runs in this process (one
+        ``--n-jobs``) goes on with it (`_storage`): one connection and one schema check per
+        command, and what the check read stays in Optuna's cache. ``--n-jobs`` workers open their
+        own after the fork, so then it is closed."""
         if not self._stored():
             return  # a new study: nothing to disagree with, and nothing to create yet
-        storage = self._storage_or_error()
+        storage = self._opened(self._storage)
         try:
             self._check_stored(storage)
-        finally:
+        except BaseException:
+            _close(storage)
+            raise
+        if self.settings.n_jobs == 1:
+            self._checked = (os.getpid(), storage)
+        else:
             _close(storage)
 
     def _stored(self) -> bool:
@@ -393,9 +411,9 @@ class OptunaBackend(Backend):
             )
         study = optuna.load_study(study_name=s.study_name, storage=storage)
         self._check_objective(study.metric_names, label)
-        done = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
-        for name, dist in (s.space or {}).items() if done else ():
-            known = done[-1].distributions.get(name)
+        done = _a_complete_trial(storage, study_id, len(stored))
+        for name, dist in (s.space or {}).items() if done is not None else ():
+            known = done.distributions.get(name)
             if known is not None and known != _optuna_distribution(dist):
                 raise UserError(
                     f"space[{name!r}] = {dist!r} differs from what study {s.study_name!r} in "
@@ -412,10 +430,6 @@ class OptunaBackend(Backend):
         check_home(attrs, self.home, study.study_name, self.storage.label)
         if HOME not in attrs:
             study.set_user_attr(HOME, self.home)
-
-    def _storage_or_error(self) -> optuna.storages.BaseStorage:
-        """The storage, or one line saying why it cannot be opened (`._storages`)."""
-        return self._opened(lambda: open_storage(self.storage))
 
     # --- asking and telling ------------------------------------------------------------------------------
 
@@ -536,8 +550,27 @@ class OptunaBackend(Backend):
         return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
 
 
+def _a_complete_trial(
+    storage: optuna.storages.BaseStorage, study_id: int, objectives: int
+) -> optuna.trial.FrozenTrial | None:
+    """A COMPLETE trial of the study, whose distributions are the study's, or None: with one
+    objective the best (one query on a database); with several the last, of all the trials
+    read (into the cache the sweep goes on with, `OptunaBackend.check_study`)."""
+    if objectives == 1:
+        try:
+            return storage.get_best_trial(study_id)
+        except ValueError:  # none complete yet
+            return None
+    done = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+    return done[-1] if done else None
+
+
 def _close(storage: optuna.storages.BaseStorage) -> None:
-    """Let go of ``storage``'s connections, so that no forked worker shares them."""
+    """Let go of ``storage``'s connections, so that no forked worker shares them (through the
+    wrappers of a shared database: `._patient`, Optuna's cache)."""
+    storage = getattr(storage, "inner", storage)
+    if isinstance(storage, optuna.storages._CachedStorage):
+        storage = storage._backend
     if isinstance(storage, optuna.storages.RDBStorage):
         storage.engine.dispose()
     elif isinstance(storage, optuna.storages.GrpcStorageProxy):

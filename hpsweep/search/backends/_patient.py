@@ -27,6 +27,9 @@ from hpsweep.errors import UserError
 PATIENCE_S = 600.0
 RETRY_S = 1.0
 
+#: Calls that `BaseStorage` builds out of others (by reading every trial) and that Optuna's
+#: storages may answer themselves (its cache: from the cache or with one query): passed on.
+_SHORTCUTS = ("get_best_trial", "get_n_trials", "get_trial_id_from_study_id_trial_number")
 _HEARTBEAT_CALLS = (
     "record_heartbeat",
     "_get_stale_trial_ids",
@@ -158,7 +161,7 @@ def _heartbeat_call(name: str) -> Any:
     return call
 
 
-for _name in sorted(BaseStorage.__abstractmethods__):
+for _name in (*sorted(BaseStorage.__abstractmethods__), *_SHORTCUTS):
     setattr(PatientStorage, _name, _patient(_name))
 for _name in _HEARTBEAT_CALLS:
     setattr(PatientStorage, _name, _heartbeat_call(_name))

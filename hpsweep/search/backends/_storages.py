@@ -10,8 +10,11 @@ many workers on one database, or an ``optuna.storages.BaseStorage`` from the Pyt
   `StorageFromEnv` names). Credentials come from the URL or the driver's environment
   (``PGPASSWORD``).
 - A database storage holds one connection per process (``pool_size=1``, no overflow), so a
-  sweep's connections are machines x ``--n-jobs``. Optuna's set-up of new tables and its schema
-  check take a second one while holding the first: both run here without it (`_sql`).
+  sweep's connections are machines x ``--n-jobs``. Opening it costs what bare Optuna's opening
+  costs: one storage and one schema check (`_sql`). A short connection first reads the tables'
+  schema stamp; only a database without one (new, or another process setting it up) gets
+  Optuna's set-up of the tables, which takes a second connection while holding the first and so
+  runs without a pool. `_check_schema` compares the stamp with the installed Optuna's schema.
 - A failure is one line (`storage_error`): a missing driver names its package, and an
   unreachable server, a refused password and a missing database each say what to fix, at once.
 """
@@ -216,11 +219,10 @@ def _sql(
     grace_period: int | None,
     stale_callback: Callable[[optuna.Study, FrozenTrial], None] | None,
 ) -> optuna.storages.RDBStorage:
-    """The study's tables, created if missing, then one connection for this process, checked
-    before each use (a database restarted under a long sweep hands out a fresh one instead of
-    failing the next write)."""
-    from sqlalchemy.pool import NullPool
-
+    """The study's tables, created if missing, then one connection for this process. It is not
+    pinged before each use (a round trip per transaction): a database restarted under a long
+    sweep fails the next call on the old connection, which SQLAlchemy then drops, and the
+    worker's `PatientStorage` makes the call again on a fresh one."""
     connect: dict[str, Any] = {}
     if parsed.url.startswith("postgresql") and "connect_timeout" not in parse_qs(
         urlsplit(parsed.url).query
@@ -228,28 +230,66 @@ def _sql(
         connect["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        # Optuna's set-up of new tables takes a second connection while its session holds the
-        # first, which a pool of one never hands out (it would wait 30 s and fail): set up
-        # without a pool, closing each connection after use, then open the pooled one.
-        setup = optuna.storages.RDBStorage(
-            parsed.url, {"poolclass": NullPool, **connect}, skip_compatibility_check=True
-        )
-        setup.engine.dispose()
+        schema = _stamped_schema(parsed.url, connect)
+        if schema is None:
+            _create_tables(parsed.url, connect)
         storage = optuna.storages.RDBStorage(
             parsed.url,
-            {"pool_size": 1, "max_overflow": 0, "pool_pre_ping": True, **connect},
-            skip_compatibility_check=True,  # the same second connection: `_check_schema` instead
+            {"pool_size": 1, "max_overflow": 0, **connect},
+            skip_compatibility_check=True,  # `_check_schema` instead, on one connection
             skip_table_creation=True,
             heartbeat_interval=heartbeat_interval,
             grace_period=grace_period,
             heartbeat_stale_trial_callback=stale_callback,
         )
-    _check_schema(storage, parsed)
+    _check_schema(storage, parsed, schema)
     return storage
 
 
-def _check_schema(storage: optuna.storages.RDBStorage, parsed: StorageSpec) -> None:
-    current, head = storage.get_current_version(), storage.get_head_version()
+def _stamped_schema(url: str, connect: dict[str, Any]) -> str | None:
+    """The schema version Optuna's tables in ``url`` are stamped with, or None before they are
+    (a new database, or another process still setting it up), read over one connection.
+
+    Optuna stamps the version last when it sets up the tables, and while none is stamped it takes a
+    second connection while holding the first, which a pool of one never hands out (it would wait
+    30 s and fail); once one is, opening the storage on a pool of one needs nothing more."""
+    import sqlalchemy
+    from alembic.migration import MigrationContext
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(url, poolclass=NullPool, **connect)
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def _create_tables(url: str, connect: dict[str, Any]) -> None:
+    """Optuna's set-up of the study's tables and their schema stamp (what `optuna.create_study`
+    does on a new database), without a pool: each connection is closed after use."""
+    from sqlalchemy.pool import NullPool
+
+    setup = optuna.storages.RDBStorage(
+        url, {"poolclass": NullPool, **connect}, skip_compatibility_check=True
+    )
+    setup.engine.dispose()
+
+
+#: The schema version the installed Optuna writes, once read (reading it parses Optuna's
+#: migration scripts; the installed package does not change while the process runs).
+_HEAD_SCHEMA: list[str] = []
+
+
+def _check_schema(
+    storage: optuna.storages.RDBStorage, parsed: StorageSpec, current: str | None = None
+) -> None:
+    """Refuse tables of another schema version than the installed Optuna's, with the fix.
+    ``current``: the version already read from the tables (None: read it now)."""
+    current = current or storage.get_current_version()
+    if not _HEAD_SCHEMA:
+        _HEAD_SCHEMA.append(storage.get_head_version())
+    head = _HEAD_SCHEMA[0]
     if current == head:
         return
     fix = (

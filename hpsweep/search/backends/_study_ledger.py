@@ -7,44 +7,73 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
 
 - **Counting.** A trial counts once it is COMPLETE or PRUNED in the study. There is no lock
   across machines; instead a new trial is first created (``study.ask``) and then admitted only if
-  the finished trials plus the unfinished ones created before it are fewer than ``n_trials``. A
-  trial created too late goes back to WAITING, where it holds its place until a trial before it
-  fails. Every admitted trial had fewer than ``n_trials`` trials before it that could still
-  count, so the study never ends with more than ``n_trials`` finished trials, whatever the
-  number of machines.
+  fewer than ``n_trials`` of the trials created before it may still count (are not FAIL). Optuna
+  numbers a study's trials densely in creation order (creating one locks the study's row), so a
+  trial numbered k had exactly k trials created before it: one numbered below ``n_trials`` is
+  admitted without a read, and one numbered k >= ``n_trials`` only if at least
+  k - ``n_trials`` + 1 of those k are FAIL. A FAIL trial stays FAIL, so the failures this process
+  has seen in any earlier read still hold (`StudyTally`); when they are too few it reads the
+  study once more. A trial created too late goes back to WAITING, where it holds its place until
+  a trial before it fails. Every admitted trial had fewer than ``n_trials`` trials before it that
+  could still count, so the study never ends with more than ``n_trials`` finished trials: of
+  ``n_trials`` + 1 finished ones, the one created last had ``n_trials`` before it that never
+  failed. A trial put back to WAITING runs again under its own number, so each of its runs is
+  admitted by the same rule: however many trials after it finished meanwhile, they were admitted
+  with it among those before them. Near the end (when the next trial this process asks for may
+  find no room, judged from the numbers it was given: `StudyLedger._near_end`) a worker reads
+  the study before asking, and asks for nothing once the finished and running trials fill the
+  sweep (`StudyLedger.next_trial`).
 - **Liveness.** A running trial's process records Optuna's heartbeat (`Heartbeat`, in the
   database's own time, so no two clocks are compared); through Optuna's storage proxy, which has
   none, it counts up the trial's `BEAT` instead, and a machine judges the count by its own clock.
+  The first beat comes `HEARTBEAT_S` after the trial is taken, not at once: a trial shorter than
+  that never writes one. Until its first beat, a trial's run is judged by how long a machine has
+  seen it without a `BEAT`, by that machine's own clock, against `GRACE_S` (longer than
+  `HEARTBEAT_S`); so a process killed between taking a trial and its first beat is noticed too.
   Any machine that looks for work puts a trial whose process stopped beating back to WAITING
   (`run_again`): the same Optuna trial, with its params, number and folder, is taken by the next
   machine that asks, and resumes from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM
   goes back to WAITING the same way. No trial is failed for its machine's death, and the study
-  never keeps a trial RUNNING that no process runs: a process killed between taking a trial and
-  its first beat is judged by the trial's `BEAT`, which its first beat sets.
+  never keeps a trial RUNNING that no process runs.
 - **One runner per trial.** Optuna can move a trial from WAITING to RUNNING for one process only,
   but not "back to WAITING if still stale": two machines may judge one trial dead at the same
   moment. Each checks, just before, that the trial is still in the run it judged (its start
   time, an opaque token, and its beat), which leaves a window of one call; a process whose trial
-  was taken over finds out at its next beat (`Heartbeat.taken_over`), stops training it at its
-  next report and records nothing, and only the run that tells the trial's end is counted.
+  was taken over finds out at its next beat (`Heartbeat.found`), stops training it at its next
+  report and records nothing, and only the run that tells the trial's end is counted.
 - **Ended from outside.** A trial failed by hand while it runs (optuna-dashboard, the ``optuna``
-  command line) is finished in the run it was in, which hpsweep never does to a trial it runs:
-  the beat tells it apart from a trial taken over (`standing`), and the trial stops at its next
-  report, is recorded failed and is not run again; it does not count, so another takes its place.
+  command line) is finished in the run it was in, which hpsweep never does to a trial it runs
+  (`standing`): hpsweep first puts a run back to WAITING, which clears its `BEAT`, and a trial it
+  closes unneeded says so. A finished trial still in our run is therefore ended from outside if
+  it has our `BEAT`, or if it has none and this process has not beaten yet and took the trial
+  less than `GRACE_S` - `HEARTBEAT_S` ago: no other machine can have judged an unbeaten run dead
+  sooner. Otherwise it may have been put back (a process paused past the grace, or one that beat
+  and lost its `BEAT`) and ended meanwhile, and it is taken as no longer ours. A trial ended
+  from outside stops at its next report, is recorded failed and is not run again;
+  it does not count, so another takes its place.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
 - **Home.** The study remembers the sweep's home (``--output-dir``); a command that names
   another is refused before anything is written (`check_home`).
+
+Per trial, far from the end of a sweep, the ledger reads nothing and costs the same at the
+10,000th trial as at the first: each machine's progress display gets the study's counts from
+`COUNTS_FILE`, which a worker rewrites at most every `PUBLISH_S` from a `StudyTally` that looks
+only at the trials that changed since its last read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import time
 import warnings
-from collections import Counter
+from bisect import bisect_left, insort
+from collections.abc import Sequence
 from contextlib import nullcontext, suppress
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +102,37 @@ AGAIN_NUMBER = "hpsweep_number"
 BEAT = "hpsweep_beat"
 #: The study's user attribute naming the sweep's home.
 HOME = "hpsweep_home"
+#: The system attribute in which Optuna says why a trial failed; hpsweep's closures use it too.
+FAIL_REASON = "fail_reason"
 #: Why a trial asked after the sweep had its trials was closed without running (`close_unneeded`).
 UNNEEDED = "not run: the sweep had its n_trials finished trials when this trial came up"
-
-_COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-_READ = (*_COUNTED, TrialState.FAIL)  # the failed ones too, for the display (`publish_counts`)
 #: In the sweep's folder on each machine: the study's counts as its workers last read them.
 COUNTS_FILE = ".study-counts.json"
+#: How old `COUNTS_FILE` may get before a worker on the machine reads the study to rewrite it.
+PUBLISH_S = 2.0
+
+
+class Standing(enum.Enum):
+    """How a trial that this process runs stands in the study (`standing`)."""
+
+    #: It still runs in this process's run.
+    OURS = "ours"
+    #: hpsweep put it back to WAITING (another process may run it now) or closed it unneeded.
+    ELSEWHERE = "elsewhere"
+    #: Someone outside the sweep ended it: optuna-dashboard's Fail button, the ``optuna`` CLI.
+    OUTSIDE = "outside"
 
 
 class Heartbeat:
     """A running trial's sign of life in the study, renewed every `HEARTBEAT_S` by a thread until
-    `release`; it takes the place of a file lease. Optuna's heartbeat row where the storage has
-    one (SQL databases); through Optuna's storage proxy, which has none, a counter in the trial's
-    system attribute `BEAT` (see `StudyLedger.reap`).
+    `release`, the first time `HEARTBEAT_S` after the trial was taken; it takes the place of a
+    file lease. Optuna's heartbeat row where the storage has one (SQL databases); through Optuna's
+    storage proxy, which has none, a counter in the trial's system attribute `BEAT` (see
+    `StudyLedger.reap`).
 
     ``started`` is the trial's start time when this process took it: each beat first checks that
-    the trial is still RUNNING from that start, and otherwise stops, having set `taken_over` or
-    `ended_outside` (`standing`)."""
+    the trial is still RUNNING from that start, and otherwise stops, having noted in `found` how
+    it left (and in `ended_outside` the state it was given, when that was from outside)."""
 
     def __init__(self, storage: Any, trial_id: int, started: Any = None) -> None:
         import threading
@@ -98,14 +140,16 @@ class Heartbeat:
         self._storage = storage
         self._trial_id = trial_id
         self.started = started
+        #: When this process took the trial, by its own clock (`standing`).
+        self.taken_at = time.monotonic()
         self._optuna = is_heartbeat_enabled(storage)
-        self._count = 0
-        #: Set once a beat found the trial back to WAITING or in another process's run.
-        self.taken_over = False
+        #: The beats written so far.
+        self.beats = 0
+        #: How the trial stood at the last beat's check.
+        self.found = Standing.OURS
         #: The state the trial was given from outside the sweep, once a beat found it ended so.
         self.ended_outside: TrialState | None = None
         self._stop = threading.Event()
-        # the first beat too is the thread's: the trial starts without waiting for two writes
         self._thread = threading.Thread(target=self._beat, name="hpsweep-heartbeat", daemon=True)
         self._thread.start()
 
@@ -118,24 +162,21 @@ class Heartbeat:
     def _record(self) -> None:
         if self._optuna:
             self._storage.record_heartbeat(self._trial_id)
-            if self._count:
+            if self.beats:
+                self.beats += 1
                 return
-        self._count += 1
-        self._storage.set_trial_system_attr(self._trial_id, BEAT, self._count)
+        self._storage.set_trial_system_attr(self._trial_id, BEAT, self.beats + 1)
+        self.beats += 1
 
     def _ours(self) -> bool:
         """Whether the trial still runs in this process's run; if not, note how it left."""
         trial = self._storage.get_trial(self._trial_id)
-        how = standing(trial, self.started)
-        if how == "outside":
+        self.found = standing(trial, self)
+        if self.found == Standing.OUTSIDE:
             self.ended_outside = trial.state
-        elif how == "elsewhere":
-            self.taken_over = True
-        return how == "ours"
+        return self.found == Standing.OURS
 
     def _beat(self) -> None:
-        with suppress(Exception):  # unbeaten, the trial is judged by `GRACE_S`
-            self._record()
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 if self.started is not None and not self._ours():
@@ -163,10 +204,13 @@ class StudyLedger:
         # each running trial's run as last seen (its beat, its start) and since when, by our clock
         self._seen: dict[int, tuple[Any, float]] = {}
         self._reaped_at = -float("inf")
-        # how many more trials the study had room for at this process's last admission, beyond
-        # what the others may take meanwhile; while positive, `next_trial` asks without looking
-        self._room = 0
-        self._maximize: bool | None = None
+        self._tally: StudyTally | None = None
+        # the highest trial number this process knows of (None: it has not read the study yet),
+        # and by how much the study grew between its last two asks: where its next trial may land
+        self._highest: int | None = None
+        self._growth = 1
+        # `COUNTS_FILE`'s modification time as last seen, and since when by our clock
+        self._counts_seen: tuple[int, float] = (-1, 0.0)
 
     def locked(self) -> Any:
         """No lock: the database orders the trials (see the module's docstring)."""
@@ -174,7 +218,7 @@ class StudyLedger:
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
         self.index.refresh()
-        return [r for r in self.index.records("failed") if (r.finished_at or 0) >= since]
+        return self.index.failed_since(since)
 
     # --- handing out trials -------------------------------------------------------------------------
 
@@ -183,26 +227,30 @@ class StudyLedger:
         elsewhere; one may have to run again) or ``"done"``."""
         study: optuna.Study = backend.study
         self.reap(study)
-        if self.n_trials is not None and self._room <= 0:
-            # Near the end, look before asking: a trial asked with no room would only wait.
-            # Far from it, `_admitted` alone keeps the count (one read of the study less).
-            trials = self._read(study)
-            finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
-            if finished >= self.n_trials:
-                close_unneeded(study._storage, trials)
+        fresh = self._read(study, publish=True) if self._publish_due() else None
+        if self.n_trials is not None and self._near_end():
+            # Look before asking: a trial asked with no room would only wait.
+            trials, tally = fresh or self._read(study)
+            if tally.finished >= self.n_trials:
+                if close_unneeded(study._storage, tally.unfinished(trials)):
+                    self._read(study)
+                publish_counts(self.output_dir, tally)  # what the last progress line reads
                 return "done"
-            running = sum(t.state == TrialState.RUNNING for t in trials)
-            if finished + running >= self.n_trials:
+            if tally.finished + tally.running >= self.n_trials:
                 return "wait"  # no room for one more; a running one may fail or die
         if backend.exhausted():
             return "done"  # a finished grid
         asked = study.ask()  # a trial put back to WAITING first, else a new one
-        if not self._admitted(study, asked._trial_id):
+        if not self._admitted(study, asked.number):
             # it holds its place in case a trial ahead fails; once the sweep has its trials, the
             # machine that sees it so closes it (`close_unneeded`), perhaps before this line
             with suppress(optuna.exceptions.UpdateFinishedTrialError):
                 study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
             return "wait"
+        return self._claim(study, asked, backend)
+
+    def _claim(self, study: optuna.Study, asked: optuna.Trial, backend: Any) -> tuple[Claim, Any]:
+        """The admitted trial ``asked``, wrapped by ``backend``, with its running `Heartbeat`."""
         started = asked._cached_frozen_trial.datetime_start
         beat = Heartbeat(study._storage, asked._trial_id, started)
         try:
@@ -214,31 +262,62 @@ class StudyLedger:
         trial.fence = beat
         return Claim(beat, again), trial  # type: ignore[arg-type]
 
-    def _admitted(self, study: optuna.Study, trial_id: int) -> bool:
-        """Whether fewer than ``n_trials`` trials that may still count are ahead of ``trial_id``:
-        the finished ones, and the unfinished ones created before it."""
-        if self.n_trials is None:
+    def _near_end(self) -> bool:
+        """Whether the next trial this process asks for may find no room: then it reads the study
+        first. Judged from what it knows without reading: the number its next trial may get (its
+        last one's, and how much the study grew between its last two asks), the failures and the
+        unfinished trials of its last read (each may make another machine ask before it does,
+        twice over); so far from the end it reads nothing. A guess too low costs a trial asked
+        that waits (`_admitted`), and is closed when the sweep ends (`close_unneeded`)."""
+        assert self.n_trials is not None
+        tally = self._tally
+        if self._highest is None or tally is None:
             return True
-        trials = self._read(study)
-        ahead = sum(
-            t.state in (TrialState.COMPLETE, TrialState.PRUNED) or t._trial_id < trial_id
-            for t in trials
-            if t._trial_id != trial_id
-        )
-        # The room left once this trial runs, less what the other machines may take before this
-        # one asks again (about one trial each: as many as run now, twice over).
-        running = sum(t.state == TrialState.RUNNING for t in trials)
-        self._room = self.n_trials - ahead - 1 - 2 * running
-        return ahead < self.n_trials
+        ahead = self._highest + self._growth - tally.failed_before(self._highest + 1)
+        return ahead + 2 * (tally.running + tally.waiting) >= self.n_trials
 
-    def _read(self, study: optuna.Study) -> list[FrozenTrial]:
-        """The study's trials that may still count, read once; what was read is published for
-        this machine's progress display on the way (`publish_counts`)."""
-        trials = study._storage.get_all_trials(study._study_id, deepcopy=False, states=_READ)
-        if self._maximize is None:
-            self._maximize = study.directions == [optuna.study.StudyDirection.MAXIMIZE]
-        publish_counts(self.output_dir, trials, self._maximize)
-        return [t for t in trials if t.state != TrialState.FAIL]
+    def _admitted(self, study: optuna.Study, number: int) -> bool:
+        """Whether trial ``number`` may run: fewer than ``n_trials`` of the ``number`` trials
+        created before it may still count (see the module's docstring). Reads the study only when
+        the failures this process knows of are too few to admit it."""
+        if self._highest is not None and number > self._highest:
+            self._growth = number - self._highest
+        self._highest = max(-1 if self._highest is None else self._highest, number)
+        if self.n_trials is None or number < self.n_trials:
+            return True
+        tally = self._tally
+        if tally is None or number - tally.failed_before(number) >= self.n_trials:
+            _, tally = self._read(study)  # failures this process has not seen yet may make room
+        return number - tally.failed_before(number) < self.n_trials
+
+    def _read(
+        self, study: optuna.Study, *, publish: bool = False
+    ) -> tuple[Sequence[FrozenTrial], StudyTally]:
+        """All the study's trials, read once (Optuna's cache reads only what changed), and the
+        tally brought up to date with them; published for this machine's display when
+        ``publish``, or when its counts are `PUBLISH_S` old."""
+        trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
+        if self._tally is None:
+            maximize = study.directions == [optuna.study.StudyDirection.MAXIMIZE]
+            self._tally = StudyTally(maximize)
+        self._tally.update(trials)
+        self._highest = max(-1 if self._highest is None else self._highest, len(trials) - 1)
+        if publish or self._publish_due():
+            publish_counts(self.output_dir, self._tally)
+        return trials, self._tally
+
+    def _publish_due(self) -> bool:
+        """Whether `COUNTS_FILE` is missing or has not changed for `PUBLISH_S` by this process's
+        clock (no other clock is compared with it). The workers of a machine, and the machines
+        that share a home folder, share the file: whichever finds it stale first rewrites it."""
+        try:
+            mtime = (self.output_dir / COUNTS_FILE).stat().st_mtime_ns
+        except OSError:
+            return True
+        now = time.monotonic()
+        if mtime != self._counts_seen[0]:
+            self._counts_seen = (mtime, now)
+        return now - self._counts_seen[1] >= PUBLISH_S
 
     def _again_record(self, asked: optuna.Trial) -> runs.TrialRecord | None:
         """The record of the trial ``asked`` runs again (its folder and checkpoints), if any: on
@@ -248,11 +327,9 @@ class StudyLedger:
             return None
         wanted = str(attrs[AGAIN_ID])
         if self.home is not None and self.home.remote:
-            records = self.home.records()
-        else:
-            self.index.refresh(verify=True)
-            records = self.index.records()
-        return next((r for r in records if r.id == wanted), None)
+            return next((r for r in self.home.records() if r.id == wanted), None)
+        found = self.index.lookup(wanted)  # its own file, read now: another host may have run it
+        return None if found is None else dataclasses.replace(found)
 
     def stopped(self, backend: Any, trial: Any) -> bool:
         """A trial stopped by a signal goes back to WAITING, to run again on the next machine that
@@ -301,28 +378,28 @@ class StudyLedger:
         self._seen = seen
 
 
-def standing(trial: FrozenTrial, started: Any) -> str:
-    """How a trial that this process runs stands in the study, as read now: ``"ours"`` (it still
-    runs in this process's run, the one that began at ``started``), ``"elsewhere"`` (hpsweep put
-    it back to WAITING, another process runs it, or closed it unneeded) or ``"outside"`` (someone
-    outside the sweep ended it: optuna-dashboard's Fail button, the ``optuna`` command line).
+def standing(trial: FrozenTrial, run: Heartbeat | None) -> Standing:
+    """How ``trial``, which this process runs, stands in the study as read now. ``run`` is the
+    `Heartbeat` of this process's run of it; None in a study that machines do not share, where
+    only this process changes a trial while it runs it.
 
     hpsweep never finishes a trial another process runs: a run it ends it first puts back to
     WAITING, which clears its `BEAT` (`run_again`), and a trial it closes unneeded says so
-    (`close_unneeded`). So a trial finished in our run, with its beat, was ended from outside.
-    ``started`` None: a study that machines do not share, where only this process changes a
-    trial while it runs it."""
-    if started is None:
-        return "outside" if trial.state.is_finished() else "ours"
-    if trial.datetime_start != started:
-        return "elsewhere"
+    (`close_unneeded`). So a trial finished in our run was ended from outside if it has our beat;
+    without one, if this process never beat and took it too recently for any machine to have
+    judged the run dead (the module's docstring, "Ended from outside")."""
+    if run is None or run.started is None:
+        return Standing.OUTSIDE if trial.state.is_finished() else Standing.OURS
+    if trial.datetime_start != run.started:
+        return Standing.ELSEWHERE
     if trial.state == TrialState.RUNNING:
-        return "ours"
-    ours_to_the_end = (
-        trial.system_attrs.get(BEAT) is not None
-        and trial.system_attrs.get("fail_reason") != UNNEEDED
-    )
-    return "outside" if trial.state.is_finished() and ours_to_the_end else "elsewhere"
+        return Standing.OURS
+    if not trial.state.is_finished() or trial.system_attrs.get(FAIL_REASON) == UNNEEDED:
+        return Standing.ELSEWHERE
+    if trial.system_attrs.get(BEAT) is not None:
+        return Standing.OUTSIDE
+    unjudged = not run.beats and time.monotonic() - run.taken_at < GRACE_S - HEARTBEAT_S
+    return Standing.OUTSIDE if unjudged else Standing.ELSEWHERE
 
 
 def run_again(storage: Any, trial: FrozenTrial, started: Any) -> bool:
@@ -350,18 +427,119 @@ def run_again(storage: Any, trial: FrozenTrial, started: Any) -> bool:
         return False  # it ended meanwhile
 
 
+class StudyTally:
+    """The study's trials by how they stand, and its best, kept from one read of all its trials
+    to the next at a cost that follows what changed, not how many trials the study holds.
+
+    Optuna numbers a study's trials densely in creation order and lists them by number, and a
+    finished trial never changes (Optuna refuses every write to it). So each trial is tallied
+    once, when it is first seen finished; a read looks only at the trials created since the last
+    one and at those unfinished then. Where a list is not the whole study by number (no storage of
+    Optuna's gives one), it is counted afresh.
+
+    Args:
+        maximize: whether the study's one objective is maximised (the best is the highest).
+    """
+
+    def __init__(self, maximize: bool) -> None:
+        self.maximize = maximize
+        self._reset()
+
+    def _reset(self) -> None:
+        self._looked = 0  # trials [0, _looked) were looked at
+        self._open: list[int] = []  # the numbers among them unfinished when last looked at
+        self._fails: list[int] = []  # the numbers of the FAIL trials, in order
+        self._whole = True  # whether the last list was the whole study by number
+        #: COMPLETE or PRUNED: what ``n_trials`` counts.
+        self.finished = 0
+        #: FAIL, less the trials closed unneeded and those stopped by a signal.
+        self.failed = 0
+        #: Among the unfinished trials at the last read.
+        self.running = 0
+        self.waiting = 0
+        #: The COMPLETE single-objective trial with the best value (the lowest number on a tie).
+        self.best: FrozenTrial | None = None
+
+    def update(self, trials: Sequence[FrozenTrial]) -> None:
+        """Take in ``trials``: all the study's, by number, as just read."""
+        whole = not trials or trials[-1].number == len(trials) - 1
+        if not (whole and self._whole) or len(trials) < self._looked:
+            self._reset()
+        self._whole = whole
+        numbers = chain(self._open, range(self._looked, len(trials)))
+        self._open, self.running, self.waiting = [], 0, 0
+        for number in numbers:
+            trial = trials[number]
+            if trial.state.is_finished():
+                self._settle(trial)
+            else:
+                self._open.append(number)
+                self.running += trial.state == TrialState.RUNNING
+                self.waiting += trial.state == TrialState.WAITING
+        self._looked = len(trials)
+
+    def _settle(self, trial: FrozenTrial) -> None:
+        if trial.state == TrialState.FAIL:
+            insort(self._fails, trial.number)
+            closed = trial.system_attrs.get(FAIL_REASON) == UNNEEDED
+            if not closed and not trial.user_attrs.get("hpsweep_stopped"):
+                self.failed += 1
+            return
+        self.finished += 1
+        if trial.state == TrialState.COMPLETE and len(trial.values or ()) == 1:
+            self._offer(trial)
+
+    def _offer(self, trial: FrozenTrial) -> None:
+        best = self.best
+        if best is None:
+            self.best = trial
+            return
+        value, held = trial.values[0], best.values[0]
+        better = value > held if self.maximize else value < held
+        if better or (value == held and trial.number < best.number):
+            self.best = trial
+
+    def failed_before(self, number: int) -> int:
+        """How many of the trials numbered below ``number`` were FAIL when last read."""
+        return bisect_left(self._fails, number)
+
+    def unfinished(self, trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+        """The trials of ``trials`` (as given to the last `update`) unfinished then."""
+        return [trials[number] for number in self._open]
+
+    def counts(self) -> dict[str, Any]:
+        """What `COUNTS_FILE` holds (`StudyCounts` reads it)."""
+        best = self.best
+        return {
+            "done": self.finished,
+            "failed": self.failed,
+            "stopped": self.waiting,
+            "running": self.running,
+            "best": [best.values[0], _number(best)] if best is not None else None,
+        }
+
+
+def publish_counts(output_dir: Path, tally: StudyTally) -> None:
+    """Write the study's counts as ``tally`` holds them to `COUNTS_FILE`."""
+    with suppress(OSError):  # a display's file: never worth a trial
+        runs.write_json(output_dir / COUNTS_FILE, tally.counts())
+
+
 class StudyCounts:
     """The study's trials by how they stand, for the progress display of one machine among many
-    (`hpsweep.search.progress.Counts`): read from `COUNTS_FILE`, which the ledger of each worker
-    on this machine rewrites whenever it reads the study's trials anyway (each trial it asks for,
-    and near the end). So the display adds no database connection and no read of its own; its
-    counts are as fresh as this machine's last ask (a worker asks again as soon as its trial is
-    told)."""
+    (`hpsweep.search.progress.Counts`): read from `COUNTS_FILE`, which a worker on this machine
+    rewrites at most every `PUBLISH_S` and when the sweep ends, and brought up to date with the
+    records in the folder that ended since it was written (the trials of this machine, or of
+    every machine that shares the folder). So the display adds no database connection and no
+    read of its own, and each trial's line counts the trials that ended before it."""
 
     def __init__(self, output_dir: Path) -> None:
         self._path = output_dir / COUNTS_FILE
+        self._index = runs.TrialIndex(output_dir)
         self._seen: Any = None
         self._counts: Any = None
+        # the records that ended after the file's counts were written, by id
+        self._late: dict[str, runs.TrialRecord] = {}
 
     def __call__(self) -> Any:
         from hpsweep.search.progress import Counts
@@ -372,29 +550,16 @@ class StudyCounts:
             best = data.pop("best", None)
             self._counts = Counts(**data, best=tuple(best) if best else None, as_of=stat.st_mtime)
             self._seen = (stat.st_mtime_ns, stat.st_size)
-        return self._counts
-
-
-def publish_counts(output_dir: Path, trials: list[FrozenTrial], maximize: bool) -> None:
-    """Write the counts of ``trials`` (all the study's, as just read) to `COUNTS_FILE`."""
-    states = Counter(t.state for t in trials)
-    done = [t for t in trials if t.state == TrialState.COMPLETE and len(t.values or ()) == 1]
-    best = (max if maximize else min)(done, key=lambda t: t.values[0]) if done else None
-    failed = sum(
-        t.state == TrialState.FAIL
-        and t.system_attrs.get("fail_reason") != UNNEEDED
-        and not t.user_attrs.get("hpsweep_stopped")
-        for t in trials
-    )
-    data = {
-        "done": states[TrialState.COMPLETE] + states[TrialState.PRUNED],
-        "failed": failed,
-        "stopped": states[TrialState.WAITING],
-        "running": states[TrialState.RUNNING],
-        "best": [best.values[0], _number(best)] if best is not None else None,
-    }
-    with suppress(OSError):  # a display's file: never worth a trial
-        runs.write_json(output_dir / COUNTS_FILE, data)
+        as_of = self._counts.as_of
+        self._index.refresh()
+        for record in self._index.take_changed():
+            self._late.pop(record.id, None)
+            if record.state != "running" and (record.finished_at or 0) > as_of:
+                self._late[record.id] = record
+        self._late = {k: r for k, r in self._late.items() if (r.finished_at or 0) > as_of}
+        late = list(self._late.values())
+        newest = max((r.finished_at or 0 for r in late), default=as_of)
+        return dataclasses.replace(self._counts.including(late), as_of=max(as_of, newest))
 
 
 def _number(trial: FrozenTrial) -> int:
@@ -403,19 +568,22 @@ def _number(trial: FrozenTrial) -> int:
     return int(trial.user_attrs.get(AGAIN_NUMBER, trial.number))
 
 
-def close_unneeded(storage: Any, trials: list[FrozenTrial]) -> None:
-    """Close the WAITING trials left once the study holds its ``n_trials`` finished ones: trials
-    asked at the end of a sweep by machines that raced for its last places (`StudyLedger._admitted`),
-    never run and never to run. Optuna has no way to delete a trial and no state for "not needed",
-    so each becomes FAIL with its ``fail_reason`` (the attribute Optuna's own failures carry)
-    saying so: the dashboard and ``optuna trials`` show no work left undone. A machine that
-    popped one meanwhile finds it finished and asks no more (`next_trial`)."""
+def close_unneeded(storage: Any, trials: Sequence[FrozenTrial]) -> int:
+    """Close the WAITING trials of ``trials`` left once the study holds its ``n_trials`` finished
+    ones: trials asked at the end of a sweep by machines that raced for its last places
+    (`StudyLedger._admitted`), never run and never to run; how many were closed. Optuna has no
+    way to delete a trial and no state for "not needed", so each becomes FAIL with its
+    `FAIL_REASON` (the attribute Optuna's own failures carry) saying so: the dashboard and
+    ``optuna trials`` show no work left undone. A machine that popped one meanwhile finds it
+    finished and asks no more (`StudyLedger.next_trial`)."""
+    closed = 0
     for trial in trials:
         if trial.state != TrialState.WAITING:
             continue
         with suppress(optuna.exceptions.UpdateFinishedTrialError):
-            storage.set_trial_system_attr(trial._trial_id, "fail_reason", UNNEEDED)
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            storage.set_trial_system_attr(trial._trial_id, FAIL_REASON, UNNEEDED)
+            closed += storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    return closed
 
 
 def check_home(study_attrs: dict[str, Any], home: str, study_name: str, storage_label: str) -> None:
