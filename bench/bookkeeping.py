@@ -73,13 +73,13 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "tests"))  # the PostgreSQL the tests start, started the same way
 from _measure import compile_sources  # noqa: E402
-from scale import SPACE, run_workers  # noqa: E402
+from scale import PEER_MODEL, SLEEP, run_workers, space_file  # noqa: E402
 
 SAMPLE_S = 0.5
 STORAGES = ("journal", "postgres")
 SIDES = ("hpsweep", "optuna")
 
-PEER = """
+PEER = f"""
 import sys, time, optuna, torch
 from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
@@ -90,14 +90,7 @@ storage = where if "://" in where else optuna.storages.JournalStorage(
 study = optuna.load_study(study_name="peer", storage=storage,
                           sampler=optuna.samplers.RandomSampler())
 data = torch.utils.data.TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
-
-class One(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-    def forward(self, x, labels):
-        return ((self.w * x - labels) ** 2).mean()
-
+{PEER_MODEL}
 def objective(trial):
     lr = trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)
     model = One()
@@ -298,7 +291,7 @@ def run_side(side: str, root: Path, args, on: tuple[Database, str] | None) -> di
     """One side's sweep, sampled; its series and its figures. ``on``: the PostgreSQL server and
     the name of the side's database in it; None for a journal file."""
     root.mkdir(parents=True)
-    (root / "space.py").write_text(SPACE.format(trial_s=args.trial_s))
+    (root / "space.py").write_text(space_file(SLEEP.format(trial_s=args.trial_s)))
     (root / "peer.py").write_text(PEER)
     database, url = (on[0], on[0].create(on[1])) if on else (None, None)
     if side == "optuna":

@@ -35,22 +35,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the PostgreSQL the tests start, started the same way
 
-SPACE = """
-import time
-import torch
-import hpsweep
-
+_ONE = """
 class One(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
     def forward(self, x, labels):
-        return {{"loss": ((self.w * x - labels) ** 2).mean()}}
+        loss = ((self.w * x - labels) ** 2).mean()
+        return {loss}
+"""
 
-class Sleep(hpsweep.TrainerCallback):
-    def on_train_begin(self, args, state, control, **kwargs):
-        time.sleep({trial_s})
+#: The benchmarks of bookkeeping train the smallest model there is: one parameter, one step on
+#: four samples. The peers' model: ``One()(x, labels)`` is the loss.
+PEER_MODEL = _ONE.format(loss="loss")
 
+_SPACE = """
+import os, sys, time
+import torch
+import hpsweep
+{model}
+{callback}
 def train_dataset():
     return torch.utils.data.TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
 
@@ -64,8 +68,23 @@ args = hpsweep.TrainingArguments(output_dir="out", max_steps=1, per_device_train
                                  disable_progress=True)
 objective = "eval_loss"
 direction = "minimize"
-callbacks = [Sleep()]
+callbacks = [Probe()]
 """
+
+#: A trial whose training sleeps ``trial_s`` seconds (no CPU), as a `space_file` callback.
+SLEEP = """
+class Probe(hpsweep.TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        time.sleep({trial_s})
+"""
+
+
+def space_file(callback: str) -> str:
+    """The space file of `PEER_MODEL`'s model: one training step, an evaluation and a checkpoint
+    as hpsweep does them by default; ``callback`` is the source of the ``Probe`` callback class
+    (an ``hpsweep.TrainerCallback``) that its trials run."""
+    return _SPACE.format(model=_ONE.format(loss='{"loss": loss}'), callback=callback)
+
 
 PEER = """
 import sys, time, optuna
@@ -136,7 +155,7 @@ def measure(side: str, url: str, database: str, args: argparse.Namespace, pg, ro
     study_name = "peer" if side == "optuna" else "scale"
     root.mkdir(parents=True)
     space = root / "space.py"
-    space.write_text(SPACE.format(trial_s=args.trial_s))
+    space.write_text(space_file(SLEEP.format(trial_s=args.trial_s)))
     peer = root / "peer.py"
     peer.write_text(PEER)
     home = root / "home"

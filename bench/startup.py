@@ -45,46 +45,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))  # the PostgreSQL the tests start, started the same way
 from _measure import compile_sources  # noqa: E402
+from scale import PEER_MODEL, space_file  # noqa: E402
 
 #: What the child prints at each moment: ``MARK <moment> <process_time>``.
 MARK = "hpsweep-bench-cpu"
 MOMENTS = ("trial", "step")
 
-SPACE = f"""
-import os, sys, time
-import torch
-import hpsweep
-
-class One(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-    def forward(self, x, labels):
-        return {{"loss": ((self.w * x - labels) ** 2).mean()}}
-
-class Moments(hpsweep.TrainerCallback):
+SPACE = space_file(
+    f"""
+class Probe(hpsweep.TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         if os.path.basename(args.output_dir).startswith("run-"):  # a trial's Trainer
             print("{MARK} trial", time.process_time(), file=sys.stderr, flush=True)
 
     def on_train_begin(self, args, state, control, **kwargs):
         print("{MARK} step", time.process_time(), file=sys.stderr, flush=True)
-
-def train_dataset():
-    return torch.utils.data.TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
-
-eval_dataset = train_dataset
-
-def model_init(trial):
-    return One()
-
-space = {{"learning_rate": hpsweep.Float(1e-3, 1e-1, log=True)}}
-args = hpsweep.TrainingArguments(output_dir="out", max_steps=1, per_device_train_batch_size=4,
-                                 disable_progress=True)
-objective = "eval_loss"
-direction = "minimize"
-callbacks = [Moments()]
 """
+)
 
 PEER = f"""
 import sys, time
@@ -96,14 +73,7 @@ where, trials, jobs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 storage = where if "://" in where else optuna.storages.JournalStorage(
     optuna.storages.journal.JournalFileBackend(where))
 study = optuna.create_study(study_name="peer", storage=storage, load_if_exists=True)
-
-class One(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-    def forward(self, x, labels):
-        return ((self.w * x - labels) ** 2).mean()
-
+{PEER_MODEL}
 def objective(trial):
     print("{MARK} trial", time.process_time(), file=sys.stderr, flush=True)
     lr = trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)

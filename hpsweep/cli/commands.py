@@ -13,10 +13,15 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hpsweep.errors import UserError
+from hpsweep.search.options import SearchOptions
+
+#: What a search flag not given stands for: `SearchOptions`' defaults.
+DEFAULTS = SearchOptions()
 
 #: Optuna's storage URL when ``--storage`` is not given. A Kubernetes Secret can fill it, so the
 #: database password stays off the command line, where ``ps`` and the pod's spec would show it.
@@ -53,12 +58,16 @@ def _add_run(sub: Any) -> None:
 
 
 def _add_search_options(group: Any) -> None:
-    group.add_argument("--backend", default="optuna", help="optuna (default), ray or wandb")
+    group.add_argument(
+        "--backend",
+        default=DEFAULTS.backend,
+        help=f"optuna, ray or wandb (default {DEFAULTS.backend})",
+    )
     group.add_argument(
         "--n-trials",
         type=int,
-        default=20,
-        help="trials the study should hold when done (default 20)",
+        default=DEFAULTS.n_trials,
+        help=f"trials the study should hold when done (default {DEFAULTS.n_trials})",
     )
     group.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     group.add_argument(
@@ -91,13 +100,19 @@ def _add_search_options(group: Any) -> None:
     group.add_argument(
         "--max-failed-trials",
         type=int,
-        default=5,
-        help="end the sweep after this many failed trials in one run (default 5)",
+        default=DEFAULTS.max_failed_trials,
+        help="end the sweep after this many failed trials in one run "
+        f"(default {DEFAULTS.max_failed_trials})",
     )
 
 
 def _add_device_options(group: Any) -> None:
-    group.add_argument("--n-jobs", type=int, default=1, help="trials run in parallel (processes)")
+    group.add_argument(
+        "--n-jobs",
+        type=int,
+        default=DEFAULTS.n_jobs,
+        help=f"trials run in parallel (processes; default {DEFAULTS.n_jobs})",
+    )
     group.add_argument(
         "--address", help="ray: an existing cluster (auto, HOST:PORT or ray://HOST:10001)"
     )
@@ -110,7 +125,7 @@ def _add_device_options(group: Any) -> None:
     group.add_argument(
         "--processes-per-trial",
         type=int,
-        default=1,
+        default=DEFAULTS.processes_per_trial,
         metavar="N",
         help="train each trial data-parallel over N processes (NCCL on GPUs, gloo on CPU); "
         "the effective batch is per_device_train_batch_size x N",
@@ -234,42 +249,35 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # see hpsweep.cli.startup_heap
     with startup_heap.collector_off(process_ends=getattr(ns, "process_ends", False)):
         startup_heap.import_libraries()
-        from hpsweep.api import run
+        from hpsweep.api import run_options
 
         startup_heap.freeze_libraries()
 
-        options: dict[str, Any] = {
-            k: v
-            for k, v in {
-                "timeout": ns.timeout,
-                "storage": _storage(ns),
-                "sampler": ns.sampler,
-                "pruner": ns.pruner,
-                "scheduler": ns.scheduler,
-                "address": ns.address,
-                "resources_per_trial": ns.resources_per_trial,
-                "seed": ns.seed,
-            }.items()
-            if v is not None
-        }
-        options["max_failed_trials"] = ns.max_failed_trials
-        options["processes_per_trial"] = ns.processes_per_trial
+        options = search_options(ns)
         # the freeze comes last: after MLflow's imports
-        options["sweep_callbacks"] = [*_sweep_callbacks(ns), startup_heap.FreezeAtSweepBegin()]
-        best = run(
+        freeze = startup_heap.FreezeAtSweepBegin()
+        options = replace(options, sweep_callbacks=(*options.sweep_callbacks, freeze))
+        best = run_options(
             ns.space_file,
-            backend=ns.backend,
-            n_trials=ns.n_trials,
+            options,
             output_dir=ns.output_dir,
             config=ns.config,
             set_args=ns.set_args,
-            study_name=ns.study_name,
-            resume=ns.resume,
-            n_jobs=ns.n_jobs,
-            **options,
         )
         _print_best(best)
     return 0
+
+
+def search_options(ns: argparse.Namespace) -> SearchOptions:
+    """The search ``hpsweep run``'s flags ask for: each flag is the option of its name, and one
+    not given keeps its default (``--study-name``'s: the space file's name); ``--storage`` falls
+    back to ``$HPSWEEP_STORAGE``; ``--mlflow`` and ``--push-to-hub`` are sweep callbacks."""
+    flags = {name: getattr(ns, name) for name in SearchOptions.asked() if hasattr(ns, name)}
+    flags["storage"] = _storage(ns)
+    return SearchOptions(
+        **{name: value for name, value in flags.items() if value is not None},
+        sweep_callbacks=_sweep_callbacks(ns),
+    )
 
 
 def _storage(ns: argparse.Namespace) -> str | None:

@@ -232,7 +232,7 @@ def _gpu_slots(gpus: list[str], gpu: float) -> list[tuple[str, ...]]:
 
 
 def plan_for(settings: object) -> Placement:
-    """`plan` for a search's `SearchSettings`, on this machine."""
+    """`plan` for a search's `SearchOptions`, on this machine."""
     return plan(
         n_jobs=settings.n_jobs,
         resources=settings.resources_per_trial,  # type: ignore[attr-defined]

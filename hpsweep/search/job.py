@@ -13,14 +13,12 @@ from typing import Any
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.search.backends._base import SearchSettings
 from hpsweep.search.objective import function_name
+from hpsweep.search.options import Objective, SearchOptions
 from hpsweep.train.arguments import REPORT_TO_PACKAGES, TrainingArguments
 from hpsweep.train.callbacks import TrainerCallback
 from hpsweep.train.metrics import metric_value
 from hpsweep.trial import Trial
-
-Objective = str | Callable[[Mapping[str, float]], Any]
 
 
 class SweepCallback:
@@ -30,7 +28,7 @@ class SweepCallback:
     `trial_callbacks` adds `TrainerCallback`s to one trial's training run.
     """
 
-    def on_sweep_begin(self, settings: SearchSettings) -> None: ...
+    def on_sweep_begin(self, settings: SearchOptions) -> None: ...
     def trial_callbacks(self, trial: Trial, record: runs.TrialRecord) -> list[TrainerCallback]:
         return []
 

@@ -6,9 +6,9 @@ Guarantees (docs/guarantees.md), whatever process or command runs the trials:
   starts only under the ledger lock (``DIR/.ledger.lock``) and only while the finished trials
   plus the live leases are fewer than ``n_trials``, so any number of workers and commands that
   share ``DIR`` finish exactly ``n_trials``. Failed trials do not count: another runs instead.
-- **Numbering.** A new trial that its backend does not number itself takes `Ledger.next_number`
-  under the lock, and its lease carries the number until the trial is recorded, so two
-  processes never give one number to two trials.
+- **Numbering.** A new trial that its backend does not number itself takes
+  `FolderSession.next_number` under the lock, and its lease carries the number until the trial
+  is recorded, so two processes never give one number to two trials.
 - **Leases.** A running trial holds a lease: a file in ``DIR/.leases`` that its process keeps
   locked with ``flock``. The kernel drops the lock when the process dies (``kill -9``, an OOM
   kill), so the next claim on this machine knows at once that the trial is orphaned. A lease
@@ -26,16 +26,20 @@ Guarantees (docs/guarantees.md), whatever process or command runs the trials:
   a small fixed share of the time: see `runs.TrialIndex`). A trial's number and one trial's record
   are answered from what the index keeps, not by reading every record.
 
-Who calls what. The search layer's loop (`hpsweep.search.loop`) makes these calls for the
-ask/tell backends (Optuna, W&B without a server). An executor backend, whose trials start
-somewhere else (a Ray Tune worker, W&B's agent), makes the same calls where its trials start:
-under `Ledger.locked`, `reap`, then `claim_new` or `claim_trial` for a lease, `next_number` for a
-new trial's number and `Lease.bind`; the trial runner records the trial; `Lease.release` ends it.
-A driver that runs trials in batches (Ray Tune's rounds) asks `needed` and `next_number` before a
-batch, and after it tells the ledger what it saw of trials that could not record it themselves
-(`wait_for_endings`, then `settle`; `restate` for one trial; `fail_unrecorded` for one that failed
-before it could record anything). No backend counts, leases or
-rewrites a record itself, nor numbers a trial unless its own records number it (Optuna's study).
+Who calls what. Every claim runs one sequence, `Ledger.take_trial`: under the lock, reap, claim
+a place, number the trial where the ledger gives its number, make the trial and bind the lease to
+it. The search layer's loop (`hpsweep.search.loop`) runs it through `Ledger.next_trial` for the
+ask/tell backends (Optuna, W&B without a server); an executor backend, whose trials start
+somewhere else (a Ray Tune worker, W&B's agent), runs it where its trials start, choosing what
+it claims (`FolderSession.claim_new`, `FolderSession.claim_trial`). The trial runner records the
+trial; `Lease.release` ends it. A driver that runs trials in batches (Ray Tune's rounds) asks
+`FolderSession.needed` and `FolderSession.next_number` before a batch, and after it tells the
+ledger what it saw of trials that could not record it themselves (`Ledger.wait_for_endings`,
+then `FolderSession.settle`; `FolderSession.restate` for one trial;
+`FolderSession.fail_unrecorded` for one that failed before it could record anything). What needs
+the lock is a method of the `FolderSession` that ``with ledger.locked() as session:`` yields, not
+of the ledger. No backend counts, leases or rewrites a record itself, nor numbers a trial unless
+its own records number it (Optuna's study).
 """
 
 from __future__ import annotations
@@ -50,13 +54,23 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpsweep import runs
+from hpsweep.search.ledger_base import (
+    Claim,
+    Claimed,
+    LedgerNumbered,
+    LedgerSession,
+    T,
+    TrialSource,
+    Verdict,
+)
+from hpsweep.trial import Trial
 
 LEASE_DIR = ".leases"
 LOCK_FILE = ".ledger.lock"
@@ -73,8 +87,8 @@ class Lease:
 
     The holder keeps the file descriptor open; a thread touches the file every `HEARTBEAT_S`
     for processes on other hosts. `bind` writes which trial the lease is for, its number (taken
-    before the trial is recorded: see `Ledger.next_number`) and the backend's own reference to it,
-    so an orphaned trial can be closed in the backend's records too.
+    before the trial is recorded: see `FolderSession.next_number`) and the backend's own
+    reference to it, so an orphaned trial can be closed in the backend's records too.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -95,7 +109,7 @@ class Lease:
         self._beat = threading.Thread(target=self._heartbeat, name="hpsweep-lease", daemon=True)
         self._beat.start()
 
-    def bind(self, trial_id: str, ref: Any = None, *, number: int | None = None) -> None:
+    def bind(self, trial_id: str, ref: object = None, *, number: int | None = None) -> None:
         self.info.update(trial=trial_id, number=number, ref=ref)
         self._write()
 
@@ -138,6 +152,11 @@ class LeaseFile:
         return number if isinstance(number, int) else None
 
     @property
+    def ref(self) -> object:
+        """The backend's own reference to the trial (`Lease.bind`), to close it there."""
+        return self.info.get("ref")
+
+    @property
     def on_this_host(self) -> bool:
         return self.info.get("host") in (None, socket.gethostname())
 
@@ -163,17 +182,11 @@ class LeaseFile:
         return False
 
 
-@dataclass
-class Claim:
-    """What `Ledger.claim` hands a worker: a lease, and the record of a trial to run again (or None
-    for a new trial)."""
-
-    lease: Lease
-    again: runs.TrialRecord | None = None
-
-
 class Ledger:
     """The trials of one output folder, shared by every worker and command that runs there.
+
+    What may run only under the ledger's lock is a method of the `FolderSession` that `locked`
+    yields; the ledger itself reads (`records`, `live`, ...) and hands out trials (`take_trial`).
 
     Args:
         output_dir: the sweep's folder (``--output-dir``).
@@ -189,11 +202,12 @@ class Ledger:
         self._lost: Counter[str] = Counter()
 
     @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> Iterator[FolderSession]:
+        """``DIR/.ledger.lock``, held for the ``with`` block, and the session that needs it."""
         from filelock import FileLock
 
-        with FileLock(str(self.output_dir / LOCK_FILE)):
-            yield
+        with FileLock(str(self.output_dir / LOCK_FILE)), FolderSession(self) as session:
+            yield session
 
     # --- reading ------------------------------------------------------------------------------------
 
@@ -248,139 +262,58 @@ class Ledger:
         self.index.refresh()
         return self.index.failed_since(since)
 
-    # --- counting and numbering ---------------------------------------------------------------------
+    # --- handing out trials -------------------------------------------------------------------------
 
-    def needed(self) -> int | None:
-        """How many new trials the sweep still wants: ``n_trials`` less the finished trials, those
-        running under a live lease and those waiting to run again (they run, and count, first);
-        None without a limit. Call it holding `locked`, after `reap`."""
-        live = len(self.live())
-        self.index.refresh()
-        return self._needed(live, self.index.count(AGAIN))
+    def take_trial(
+        self,
+        choose: Callable[[FolderSession], Claim | Verdict],
+        make: Callable[[Claim], T | None],
+        *,
+        abandon: Callable[[object], None] | None = None,
+    ) -> Claimed[T] | Verdict:
+        """The claim sequence, the one every caller runs: under the lock, reap (closing the trials
+        whose process died in the backend's records too, with ``abandon``), claim a place
+        (``choose``: which trial, and its number when the ledger gives it), make the trial of
+        that claim (``make``) and bind the lease to it before the lock is let go.
 
-    def _needed(self, live: int, waiting: int) -> int | None:
-        if self.n_trials is None:
-            return None
-        return self.n_trials - self.index.count(*FINISHED) - live - waiting
-
-    def next_number(self, prefer: int | None = None) -> int:
-        """The number of a new trial: ``prefer`` (an executor's own numbering of its trials, such as
-        the order Tune created them in) when no record and no live lease has it, else one past the
-        highest number in use.
-
-        Call it holding `locked`, and bind the trial's lease with the number (`Lease.bind`) before
-        letting the lock go: the lease holds the number until the trial's record does.
+        ``choose`` answers a `Verdict` when there is no place; ``make`` None when there is no
+        trial after all (`Verdict.DONE`: a finished grid). The lease goes back if ``make`` fails.
         """
-        self.index.refresh()
-        leased = {lease.number for lease in self.live() if lease.number is not None}
-        if prefer is not None and prefer not in leased and not self.index.has_number(prefer):
-            return prefer
-        return max(self.index.max_number(), max(leased, default=-1)) + 1
-
-    # --- reaping and claiming -----------------------------------------------------------------------
-
-    def reap(self) -> list[LeaseFile]:
-        """Turn trials whose process is gone into trials that wait to run again (``stopped``).
-
-        Call it holding `locked`. Returns the dead leases, so the caller can close the trials in
-        the backend's own records (an Optuna trial left RUNNING by a ``kill -9``).
-        """
-        live: set[str] = set()
-        dead: list[LeaseFile] = []
-        for lease in self.leases():
-            if lease.alive():
-                if lease.trial is not None:
-                    live.add(str(lease.trial))
-            else:
-                dead.append(lease)
-        # a process killed between its two writes left no journal line
-        self.index.refresh(verify=bool(dead))
-        for record in self.index.records("running"):
-            if record.id not in live:
-                who = record.user_attrs.get("pid"), record.user_attrs.get("host")
-                dataclasses.replace(record).finish(
-                    AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran"
-                )
-        for lease in dead:
-            lease.path.unlink(missing_ok=True)
-        return dead
-
-    def claim(self) -> Claim | str:
-        """A lease for the next trial to run, or ``"wait"`` (trials still run elsewhere and one may
-        have to run again) or ``"done"``. Call it holding `locked`.
-
-        A trial waiting to run again comes first; it is marked ``running`` at once, so no other
-        worker claims it too.
-        """
-        again = self.records(AGAIN)
-        if again:
-            return self._lease_again(again[0])
-        return self.claim_new()
-
-    def claim_new(self, *, waiting_run_again: bool = True) -> Claim | str:
-        """A lease for a new trial only, or ``"wait"`` / ``"done"`` as `claim` says. Call it holding
-        `locked`; bind the lease to the trial (`next_number`, `Lease.bind`) before letting it go.
-
-        For an executor backend, whose own scheduler hands out the trials to run again (Ray Tune
-        runs them in a round of their own, so its searcher never sees a result for params it did
-        not suggest): trials waiting to run again keep their places in the count, so they still
-        run. An executor that cannot run a trial again (W&B's agent: the server hands out the
-        params) passes ``waiting_run_again=False``, and they hold no place.
-        """
-        live = len(self.live())
-        self.index.refresh()
-        waiting = self.index.count(AGAIN) if waiting_run_again else 0
-        needed = self._needed(live, waiting)
-        if needed is not None and needed <= 0:
-            return "wait" if live or waiting else "done"
-        return Claim(Lease(self.lease_dir))
-
-    def claim_trial(self, trial_id: str, states: tuple[str, ...] = (AGAIN,)) -> Claim | None:
-        """A lease to run the trial ``trial_id`` again, if its record is in one of ``states``;
-        None when it is unknown, runs under a live lease or is in another state. Call it holding
-        `locked` (after `reap`, so a ``running`` record has a live lease).
-
-        For a backend that picks which trial runs again itself: Ray Tune retries a trial whose
-        worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
-        Running again takes the trial out of the finished count until it ends again.
-        """
-        record = self.record(trial_id)
-        if record is None or record.state not in states:
-            return None
-        return self._lease_again(record)
-
-    def _lease_again(self, record: runs.TrialRecord) -> Claim:
-        # the index's own stays as read until the journal names it
-        record = dataclasses.replace(record)
-        lease = Lease(self.lease_dir)
-        lease.bind(record.id, number=record.number)
-        record.state = "running"
-        record.save()
-        return Claim(lease, record)
-
-    def next_trial(self, backend: Any) -> tuple[Claim, Any] | str:
-        """For the search layer's loop: under the lock, reap (closing dead trials in the backend's
-        records too), claim, ask the backend and bind the lease; the claim and its trial, or
-        ``"wait"`` / ``"done"`` as `claim` says."""
-        with self.locked():
-            for dead in self.reap():
-                if dead.info.get("ref") is not None:
-                    backend.abandon(dead.info["ref"])
-            claim = self.claim()
-            if not isinstance(claim, Claim):
+        with self.locked() as session:
+            for dead in session.reap():
+                if abandon is not None and dead.ref is not None:
+                    abandon(dead.ref)
+            claim = choose(session)
+            if isinstance(claim, Verdict):
                 return claim
             try:
-                trial = backend.ask(claim.again)
+                trial = make(claim)
             except BaseException:
                 claim.lease.release()  # a claimed record goes back to waiting at the next reap
                 raise
-            if trial is None:  # the backend has nothing more to try (a finished grid)
+            if trial is None:
                 claim.lease.release()
-                return "done"
+                return Verdict.DONE
             claim.lease.bind(trial.id, trial.ref, number=trial.number)
-            return claim, trial
+            return Claimed(claim, trial)
 
-    def stopped(self, backend: Any, trial: Any) -> bool:
+    def next_trial(self, backend: TrialSource) -> Claimed[Trial] | Verdict:
+        """For the search layer's loop: a trial waiting to run again, else a new one, asked of
+        ``backend`` under the lock (`take_trial`). A backend with no numbering of its own
+        (`LedgerNumbered`) is asked for a new trial with the number the ledger gives it."""
+        numbered = isinstance(backend, LedgerNumbered)
+
+        def ask(claim: Claim) -> Trial | None:
+            if isinstance(backend, LedgerNumbered) and claim.again is None:
+                assert claim.number is not None
+                return backend.ask_numbered(claim.number)
+            return backend.ask(claim.again)
+
+        return self.take_trial(
+            lambda session: session.claim(numbered=numbered), ask, abandon=backend.abandon
+        )
+
+    def stopped(self, backend: TrialSource, trial: Trial) -> bool:
         """A trial stopped by a signal: nothing to do here (False: the backend is told), its record
         says ``stopped`` and the next claim runs it again (see `next_trial`)."""
         return False
@@ -393,8 +326,9 @@ class Ledger:
 
         An executor may report a batch of trials over once it asked them to stop, not once they
         are gone (Tune's ``fit()``): a trial may still be recording its end. Waiting for their
-        leases lets `reap` (in `settle`) say at once, on disk, which trials were killed mid-way.
-        Leases on other hosts age out on their own (`STALE_S`); they are not waited for.
+        leases lets `FolderSession.reap` (in `FolderSession.settle`) say at once, on disk, which
+        trials were killed mid-way. Leases on other hosts age out on their own (`STALE_S`); they
+        are not waited for.
         """
         wanted = {str(t) for t in trial_ids}
         deadline = time.monotonic() + timeout
@@ -402,6 +336,142 @@ class Ledger:
             if not any(str(lease.trial) in wanted and lease.on_this_host for lease in self.live()):
                 return
             time.sleep(0.1)
+
+
+class FolderSession(LedgerSession):
+    """The files ledger while its lock (``DIR/.ledger.lock``) is held: what may run only then.
+    ``with ledger.locked() as session:`` makes one; `ledger` reads as ever."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    # --- counting and numbering ---------------------------------------------------------------------
+
+    def needed(self) -> int | None:
+        """How many new trials the sweep still wants: ``n_trials`` less the finished trials, those
+        running under a live lease and those waiting to run again (they run, and count, first);
+        None without a limit. Ask it after `reap`."""
+        self._held()
+        live = len(self.ledger.live())
+        self.ledger.index.refresh()
+        return self._needed(live, self.ledger.index.count(AGAIN))
+
+    def _needed(self, live: int, waiting: int) -> int | None:
+        if self.ledger.n_trials is None:
+            return None
+        return self.ledger.n_trials - self.ledger.index.count(*FINISHED) - live - waiting
+
+    def next_number(self, prefer: int | None = None) -> int:
+        """The number of a new trial: ``prefer`` (an executor's own numbering of its trials, such as
+        the order Tune created them in) when no record and no live lease has it, else one past the
+        highest number in use.
+
+        Bind the trial's lease with the number (`Lease.bind`) before the session ends: the lease
+        holds the number until the trial's record does.
+        """
+        self._held()
+        index = self.ledger.index
+        index.refresh()
+        leased = {lease.number for lease in self.ledger.live() if lease.number is not None}
+        if prefer is not None and prefer not in leased and not index.has_number(prefer):
+            return prefer
+        return max(index.max_number(), max(leased, default=-1)) + 1
+
+    # --- reaping and claiming -----------------------------------------------------------------------
+
+    def reap(self) -> list[LeaseFile]:
+        """Turn trials whose process is gone into trials that wait to run again (``stopped``).
+
+        Returns the dead leases, so the caller can close the trials in the backend's own records
+        (an Optuna trial left RUNNING by a ``kill -9``).
+        """
+        self._held()
+        live: set[str] = set()
+        dead: list[LeaseFile] = []
+        for lease in self.ledger.leases():
+            if lease.alive():
+                if lease.trial is not None:
+                    live.add(str(lease.trial))
+            else:
+                dead.append(lease)
+        index = self.ledger.index
+        # a process killed between its two writes left no journal line
+        index.refresh(verify=bool(dead))
+        for record in index.records("running"):
+            if record.id not in live:
+                who = record.user_attrs.get("pid"), record.user_attrs.get("host")
+                dataclasses.replace(record).finish(
+                    AGAIN, error=f"its process (pid {who[0]} on {who[1]}) ended while the trial ran"
+                )
+        for lease in dead:
+            lease.path.unlink(missing_ok=True)
+        return dead
+
+    def claim(self, *, numbered: bool = False) -> Claim | Verdict:
+        """A lease for the next trial to run, or `Verdict.WAIT` (trials still run elsewhere and one
+        may have to run again) or `Verdict.DONE`.
+
+        A trial waiting to run again comes first; it is marked ``running`` at once, so no other
+        worker claims it too. ``numbered``: a new trial takes its number from the ledger
+        (`claim_new`).
+        """
+        self._held()
+        again = self.ledger.records(AGAIN)
+        if again:
+            return self._lease_again(again[0])
+        return self.claim_new(numbered=numbered)
+
+    def claim_new(
+        self, *, waiting_run_again: bool = True, numbered: bool = False, prefer: int | None = None
+    ) -> Claim | Verdict:
+        """A lease for a new trial only, or `Verdict.WAIT` / `Verdict.DONE` as `claim` says.
+        ``numbered``: the claim carries the trial's number (`next_number`, ``prefer`` first);
+        otherwise its backend numbers it. Bind the lease to the trial before the session ends.
+
+        For an executor backend, whose own scheduler hands out the trials to run again (Ray Tune
+        runs them in a round of their own, so its searcher never sees a result for params it did
+        not suggest): trials waiting to run again keep their places in the count, so they still
+        run. An executor that cannot run a trial again (W&B's agent: the server hands out the
+        params) passes ``waiting_run_again=False``, and they hold no place.
+        """
+        self._held()
+        live = len(self.ledger.live())
+        index = self.ledger.index
+        index.refresh()
+        waiting = index.count(AGAIN) if waiting_run_again else 0
+        needed = self._needed(live, waiting)
+        if needed is not None and needed <= 0:
+            return Verdict.WAIT if live or waiting else Verdict.DONE
+        number = self.next_number(prefer) if numbered else None
+        return Claim(Lease(self.ledger.lease_dir), number=number)
+
+    def claim_trial(self, trial_id: str, states: tuple[str, ...] = (AGAIN,)) -> Claim | None:
+        """A lease to run the trial ``trial_id`` again, if its record is in one of ``states``;
+        None when it is unknown, runs under a live lease or is in another state. Ask it after
+        `reap`, so that a ``running`` record has a live lease.
+
+        For a backend that picks which trial runs again itself: Ray Tune retries a trial whose
+        worker died (``stopped``) and resumes trials its scheduler paused (recorded ``pruned``).
+        Running again takes the trial out of the finished count until it ends again.
+        """
+        self._held()
+        record = self.ledger.record(trial_id)
+        if record is None or record.state not in states:
+            return None
+        return self._lease_again(record)
+
+    def _lease_again(self, record: runs.TrialRecord) -> Claim:
+        # the index's own stays as read until the journal names it
+        record = dataclasses.replace(record)
+        waited = record.state == AGAIN
+        lease = Lease(self.ledger.lease_dir)
+        lease.bind(record.id, number=record.number)
+        record.state = "running"
+        record.save()
+        return Claim(lease, record if waited else None, number=record.number)
+
+    # --- after trials run elsewhere -----------------------------------------------------------------
 
     def settle(
         self,
@@ -412,7 +482,7 @@ class Ledger:
         lost_error: str = "its process died in {times} batches of trials",
     ) -> None:
         """Record what an executor saw of a batch of its trials (a Tune round) that the trials
-        could not record themselves, once the batch is over. Call it holding `locked`.
+        could not record themselves, once the batch is over.
 
         - ``stopped_at``: when the sweep began to stop the batch (Ctrl-C, a user error). A trial
           recorded ``pruned`` since then was cut short, not pruned (an executor stops a trial the
@@ -425,17 +495,19 @@ class Ledger:
 
         Then `reap`: the trials whose process died with the batch wait to run again.
         """
+        self._held()
+        counts = self.ledger._lost
         for trial_id in map(str, trial_ids):
-            record = self.record(trial_id)
+            record = self.ledger.record(trial_id)
             if record is None:
                 continue
             cut_short = stopped_at is not None and (record.finished_at or 0) >= stopped_at
             if record.state == "pruned" and cut_short:
                 record.finish(AGAIN, error="the sweep stopped while it ran")
             elif trial_id in lost and record.state in ("running", AGAIN):
-                self._lost[trial_id] += 1
-                if self._lost[trial_id] >= LOST_TO_FAIL:
-                    record.finish("failed", error=lost_error.format(times=self._lost[trial_id]))
+                counts[trial_id] += 1
+                if counts[trial_id] >= LOST_TO_FAIL:
+                    record.finish("failed", error=lost_error.format(times=counts[trial_id]))
         self.reap()
 
     def restate(self, trial_id: str, state: str, *, was: str = "failed") -> None:
@@ -443,7 +515,8 @@ class Ledger:
         ``was``: an executor that stops a trial by raising inside it (W&B's agent, for its server's
         hyperband or Ctrl-C) leaves the trial runner recording a failure. A failure's
         ``error.log`` goes with it."""
-        record = self.record(trial_id)
+        self._held()
+        record = self.ledger.record(trial_id)
         if record is None or record.state != was:
             return
         record.finish(state)
@@ -462,11 +535,12 @@ class Ledger:
         fail before the trial could record anything (Ray could not place it, or Tune's own
         machinery failed it before it trained), so it counts towards ``--max-failed-trials`` as
         any failed trial does. ``template``: its params, backend and objective; ``number``: the
-        executor's own numbering of it, as `next_number` takes it. Call it holding `locked`. A
-        trial that has a record is left as it is (None)."""
-        if self.record(trial_id) is not None:
+        executor's own numbering of it, as `next_number` takes it. A trial that has a record is
+        left as it is (None)."""
+        self._held()
+        if self.ledger.record(trial_id) is not None:
             return None
-        run_dir = runs.run_dir_for(self.output_dir, trial_id)
+        run_dir = runs.run_dir_for(self.ledger.output_dir, trial_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "error.log").write_text(error + "\n")
         record = dataclasses.replace(

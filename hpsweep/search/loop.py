@@ -42,8 +42,9 @@ from hpsweep.errors import (
     TrialPruned,
     UserError,
 )
-from hpsweep.search.backends import Backend, SearchSettings
-from hpsweep.search.ledger import Claim, Ledger
+from hpsweep.search.backends import Backend, SearchOptions
+from hpsweep.search.ledger import Ledger
+from hpsweep.search.ledger_base import Claim, TrialLedger, Verdict
 from hpsweep.trial import Trial
 
 # how often a worker with nothing to claim looks again (others' trials may need re-running)
@@ -61,11 +62,13 @@ class TrialLoop:
         settings: the search's settings.
     """
 
-    def __init__(self, runner: Any, settings: SearchSettings, ledger: Any = None) -> None:
+    def __init__(
+        self, runner: Any, settings: SearchOptions, ledger: TrialLedger | None = None
+    ) -> None:
         self.runner = runner
         self.settings = settings
         #: `Ledger` (files) or `StudyLedger` (the study's database): both hand out trials
-        self.ledger = ledger or Ledger(settings.output_dir, settings.n_trials)
+        self.ledger: TrialLedger = ledger or Ledger(settings.output_dir, settings.n_trials)
         self.started = time.time()
         self.deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
         #: The same moment as wall-clock time, for processes on other hosts (Ray workers).
@@ -80,12 +83,12 @@ class TrialLoop:
             while self.deadline is None or time.monotonic() < self.deadline:
                 stop_if_signalled()
                 got = self.ledger.next_trial(backend)
-                if got == "done":
+                if got is Verdict.DONE:
                     return
-                if got == "wait":
+                if isinstance(got, Verdict):
                     time.sleep(WAIT_S)
                     continue
-                claim, trial = got
+                claim, trial = got.claim, got.trial
                 if claim.again is not None:
                     trial.user_attrs["again"] = claim.again
                 self._run(backend, trial, claim)
@@ -289,7 +292,9 @@ def _worker_main(
     os._exit(code)
 
 
-def _tell_quietly(backend: Backend, trial: Trial, state: str, ledger: Any = None) -> None:
+def _tell_quietly(
+    backend: Backend, trial: Trial, state: str, ledger: TrialLedger | None = None
+) -> None:
     """Tell the backend while the sweep is stopping anyway (a stopped trial: the ledger first,
     which keeps it to run again); if it cannot hear it (a full disk under its storage), the
     ledger's reap closes the trial on the next run (`Backend.abandon`)."""

@@ -1,10 +1,12 @@
-"""`search`: one sweep, from the user's keywords to the best run.
+"""`search`: one sweep, from the user's `SearchOptions` to the best run.
 
 It checks everything a user can get wrong before anything is written (each refusal is one
-`UserError` line), builds the `SearchSettings` a backend reads and the `SweepJob` every trial
-needs, then hands a `TrialLoop` over a `TrialRunner` to the chosen backend and returns the best
-run(s). Backends decide what to try: ask/tell backends under the loop, executor backends (Ray,
-W&B with a server) where their trials start; counting, leases and records are the ledger's.
+`UserError` line), adds to the options what it derives from them (the output folder, the
+directions, the objective's name, each trial's resources, the home: the one `SearchOptions` a
+backend reads) and builds the `SweepJob` every trial needs, then hands a `TrialLoop` over a
+`TrialRunner` to the chosen backend and returns the best run(s). Backends decide what to try:
+ask/tell backends under the loop, executor backends (Ray, W&B with a server) where their trials
+start; counting, leases and records are the ledger's.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ from __future__ import annotations
 import functools
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hpsweep import devices, runs
 from hpsweep.errors import UserError
-from hpsweep.search.backends import Backend, SearchSettings, get_backend, transformers_keywords
+from hpsweep.search.backends import Backend, backend_class, get_backend, transformers_keywords
 from hpsweep.search.checks import (
     STUDY_FILE,
     check_counts,
@@ -29,8 +31,6 @@ from hpsweep.search.checks import (
     normalise_directions,
 )
 from hpsweep.search.job import (
-    Objective,
-    SweepCallback,
     SweepJob,
     push_to_hub_callbacks,
     report_to_callbacks,
@@ -39,145 +39,27 @@ from hpsweep.search.job import (
 )
 from hpsweep.search.launched import launched_rank, search_launched
 from hpsweep.search.objective import describe_objective
+from hpsweep.search.options import (
+    DEFAULT_STUDY_NAME,
+    Objective,
+    SearchOptions,
+    given_optional,
+)
 from hpsweep.search.space import validate_space
 from hpsweep.search.trial_runner import TrialRunner
 
 
-@dataclass
-class SearchRequest:
-    """The keywords `search` was called with, as given (see `Trainer.hyperparameter_search`)."""
-
-    space: Mapping[str, Any] | None
-    hp_space: Callable | None
-    n_trials: int | None
-    direction: str | Sequence[str]
-    objective: Objective | None
-    backend: str
-    hp_name: Callable | None = None
-    timeout: float | None = None
-    n_jobs: int = 1
-    study_name: str = "hpsweep"
-    storage: Any = None  # a path, a URL, or an optuna BaseStorage (the Python API)
-    resume: bool = False
-    sampler: str | None = None
-    pruner: str | None = None
-    scheduler: str | None = None
-    seed: int | None = None
-    address: str | None = None
-    resources_per_trial: Mapping[str, float] | None = None
-    max_failed_trials: int = 5
-    processes_per_trial: int = 1
-    sweep_callbacks: Sequence[SweepCallback] = ()
-    #: Backend options, and the keywords transformers hands a backend's library.
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def given(self) -> frozenset[str]:
-        """The optional settings given explicitly (a backend refuses those it does not read)."""
-        named = ("storage", "address", "resources_per_trial")
-        return frozenset(name for name in named if getattr(self, name) is not None)
-
-    def settings(
-        self,
-        *,
-        output_dir: Path,
-        space: Mapping[str, Any] | None,
-        directions: list[str],
-        objective_name: str,
-        resources_per_trial: dict[str, float],
-    ) -> SearchSettings:
-        """What a backend reads, once the request has been checked."""
-        return SearchSettings(
-            output_dir=output_dir,
-            space=dict(space) if space else None,
-            hp_space=self.hp_space,
-            directions=directions,
-            objective_name=objective_name,
-            n_trials=self.n_trials,
-            timeout=self.timeout,
-            n_jobs=self.n_jobs,
-            study_name=self.study_name,
-            storage=self.storage,
-            resume=self.resume,
-            sampler=self.sampler,
-            pruner=self.pruner,
-            scheduler=self.scheduler,
-            seed=self.seed,
-            address=self.address,
-            resources_per_trial=resources_per_trial,
-            options=self.options,
-            backend=self.backend,
-            max_failed_trials=self.max_failed_trials,
-            processes_per_trial=self.processes_per_trial,
-            given=self.given(),
-        )
-
-
-def search(
-    trainer: Any,
-    *,
-    space: Mapping[str, Any] | None,
-    hp_space: Callable | None,
-    n_trials: int | None,
-    direction: str | Sequence[str],
-    objective: Objective | None,
-    backend: str,
-    hp_name: Callable | None = None,
-    timeout: float | None = None,
-    n_jobs: int = 1,
-    study_name: str = "hpsweep",
-    storage: Any = None,
-    resume: bool = False,
-    sampler: str | None = None,
-    pruner: str | None = None,
-    scheduler: str | None = None,
-    seed: int | None = None,
-    address: str | None = None,
-    resources_per_trial: Mapping[str, float] | None = None,
-    max_failed_trials: int = 5,
-    processes_per_trial: int = 1,
-    sweep_callbacks: Sequence[SweepCallback] = (),
-    show_progress: bool = True,
-    **options: Any,
-) -> Any:
-    """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`.
-
-    ``resume`` is accepted for compatibility: the same command always continues its sweep.
-    """
+def search(trainer: Any, options: SearchOptions) -> Any:
+    """Validate, run the backend, and return the best run(s); see `Trainer.hyperparameter_search`
+    and `hpsweep.run`, which build the ``options``."""
     devices.note_start()
-    request = SearchRequest(
-        space=space,
-        hp_space=hp_space,
-        n_trials=n_trials,
-        direction=direction,
-        objective=objective,
-        backend=backend,
-        hp_name=hp_name,
-        timeout=timeout,
-        n_jobs=n_jobs,
-        study_name=study_name,
-        storage=storage,
-        resume=resume,
-        sampler=sampler,
-        pruner=pruner,
-        scheduler=scheduler,
-        seed=seed,
-        address=address,
-        resources_per_trial=resources_per_trial,
-        max_failed_trials=max_failed_trials,
-        processes_per_trial=processes_per_trial,
-        sweep_callbacks=sweep_callbacks,
-        options=options,
-    )
-    adopt_directions(request)
+    options = adopt_directions(options)
     rank = launched_rank(trainer.args)
     if rank is None:
-        best = sweep_request(trainer, request, show_progress)
+        best = sweep_request(trainer, options)
     else:  # torchrun's processes: one sweep, each trial trained by all
         best = search_launched(
-            rank,
-            trainer,
-            request,
-            functools.partial(sweep_request, trainer, request, show_progress),
+            rank, trainer, options, functools.partial(sweep_request, trainer, options)
         )
     if isinstance(best, runs.BestRun):
         trainer._hold_best_model(best)  # evaluate / predict / save_model use the best trial's model
@@ -186,51 +68,55 @@ def search(
 
 def sweep_request(
     trainer: Any,
-    request: SearchRequest,
-    show_progress: bool,
-    make_runner: Callable[[SweepJob, SearchSettings], Any] | None = None,
+    options: SearchOptions,
+    make_runner: Callable[[SweepJob, SearchOptions], Any] | None = None,
 ) -> Any:
-    """Check ``request``, run its sweep here and return the best run(s); ``make_runner`` makes
+    """Check ``options``, run their sweep here and return the best run(s); ``make_runner`` makes
     the `TrialRunner` that trains each trial."""
-    note = adopt_library_keywords(request)
-    settings, job, chosen = prepare(trainer, request)
+    options, note = adopt_library_keywords(options)
+    settings, job, chosen = prepare(trainer, options)
     if note:  # after the line naming the objective, which comes first
         print(f"hpsweep: {note}", file=sys.stderr)
-    return run_sweep(chosen, job, settings, show_progress=show_progress, make_runner=make_runner)
+    return run_sweep(chosen, job, settings, make_runner=make_runner)
 
 
-def adopt_directions(request: SearchRequest) -> None:
+def adopt_directions(options: SearchOptions) -> SearchOptions:
     """``directions=[...]``, the keyword Optuna's ``create_study`` takes and transformers' docs
     show for a multi-objective search, is ``direction=[...]``."""
-    directions = request.options.pop("directions", None)
+    if "directions" not in options.options:
+        return options
+    left = {name: value for name, value in options.options.items() if name != "directions"}
+    directions = options.options["directions"]
     if directions is None:
-        return
-    given = normalise_directions(request.direction)
+        return replace(options, options=left)
+    given = normalise_directions(options.direction)
     if given != ["minimize"] and given != normalise_directions(directions):
         raise UserError(
-            f"direction={request.direction!r} and directions={directions!r} disagree; give one of them"
+            f"direction={options.direction!r} and directions={directions!r} disagree; give one of them"
         )
-    request.direction = directions
+    return replace(options, direction=directions, options=left)
 
 
-def adopt_library_keywords(request: SearchRequest) -> str | None:
+def adopt_library_keywords(options: SearchOptions) -> tuple[SearchOptions, str | None]:
     """Read what transformers hands the backend's library (``tune.run``'s keywords, W&B's
-    ``project`` and ``metric``) as hpsweep's own settings; what hpsweep's keywords say explicitly
-    wins. Returns a note on those that change nothing, for after the objective's line."""
-    if not request.options:
-        return None
-    request.options, theirs, note = transformers_keywords(request.backend, request.options)
-    for name in ("sampler", "storage", "timeout"):
-        if getattr(request, name) is None and name in theirs:
-            setattr(request, name, theirs[name])
-    if request.n_jobs == 1:
-        request.n_jobs = theirs.get("n_jobs", request.n_jobs)
-    request.max_failed_trials = theirs.get("max_failed_trials", request.max_failed_trials)
-    if request.study_name == "hpsweep":
-        request.study_name = theirs.get("study_name", request.study_name)
+    ``project`` and ``metric``) as hpsweep's own options; what hpsweep's keywords say explicitly
+    wins. Returns the options, and a note on those that change nothing, for after the
+    objective's line."""
+    if not options.options:
+        return options, None
+    left, theirs, note = transformers_keywords(options.backend, dict(options.options))
+    unset = {
+        "sampler": options.sampler is None,
+        "storage": options.storage is None,
+        "timeout": options.timeout is None,
+        "n_jobs": options.n_jobs == 1,
+        "max_failed_trials": True,
+        "study_name": options.study_name is None,
+    }
+    changes = {name: theirs[name] for name, free in unset.items() if free and name in theirs}
     if "objective" in theirs:
-        request.objective = metric_as_objective(theirs["objective"], request.objective)
-    return note
+        changes["objective"] = metric_as_objective(theirs["objective"], options.objective)
+    return replace(options, options=left, **changes), note
 
 
 def metric_as_objective(metric: str, objective: Objective | None) -> Objective | None:
@@ -247,117 +133,132 @@ def metric_as_objective(metric: str, objective: Objective | None) -> Objective |
     )
 
 
-def prepare(trainer: Any, request: SearchRequest) -> tuple[SearchSettings, SweepJob, Backend]:
-    """Every check that needs no trial, in the order a user fixes them; nothing is written."""
+def prepare(trainer: Any, options: SearchOptions) -> tuple[SearchOptions, SweepJob, Backend]:
+    """Every check that needs no trial, in the order a user fixes them; nothing is written.
+    Returns the options with what the sweep derived, the job and the backend."""
+    settings, objective, takes_trial, note = checked_options(trainer, options)
+    settings = adopt_native_options(settings, trainer.args, takes_trial)
+    chosen = get_backend(settings.backend, settings)
+    chosen.check_study()
+    job = job_for(trainer, settings, objective, takes_trial)
+    if note:
+        print(f"hpsweep: {note}", file=sys.stderr)
+    return settings, job, chosen
+
+
+def checked_options(
+    trainer: Any, options: SearchOptions
+) -> tuple[SearchOptions, Objective, bool, str | None]:
+    """The checks before the backend's: ``options`` with what the sweep derives from them, the
+    objective, whether ``model_init`` takes the trial, and the placement's note."""
     from hpsweep.search.objective import resolve_objective
     from hpsweep.train.model_init import model_init_arity
 
-    directions = normalise_directions(request.direction)
+    directions = normalise_directions(options.direction)
     check_counts(
-        n_trials=request.n_trials,
-        timeout=request.timeout,
-        n_jobs=request.n_jobs,
-        max_failed_trials=request.max_failed_trials,
-        processes_per_trial=request.processes_per_trial,
+        n_trials=options.n_trials,
+        timeout=options.timeout,
+        n_jobs=options.n_jobs,
+        max_failed_trials=options.max_failed_trials,
+        processes_per_trial=options.processes_per_trial,
     )
-    refuse_combinations(trainer.args, request)
+    refuse_combinations(trainer.args, options)
     # A request this machine's devices cannot meet is one line, before anything is written.
     placement = devices.plan(
-        n_jobs=request.n_jobs,
-        resources=request.resources_per_trial,
-        processes_per_trial=request.processes_per_trial,
+        n_jobs=options.n_jobs,
+        resources=options.resources_per_trial,
+        processes_per_trial=options.processes_per_trial,
         gpus=devices.visible_gpus(),
         cores=devices.usable_cores(),
-        local=request.address is None,
+        local=options.address is None,
     )
     devices.check_fork_safe(placement)
     takes_trial = model_init_arity(trainer.model_init) == 1
-    space = checked_space(request, trainer.args, takes_trial)
+    space = checked_space(options, trainer.args, takes_trial)
     # Hugging Face's default objective when none is given; the sweep says which it optimises
-    objective = resolve_objective(request.objective, directions, trainer.compute_metrics)
+    objective = resolve_objective(options.objective, directions, trainer.compute_metrics)
     check_objective(objective, directions)
     if trainer.eval_dataset is None:
         raise UserError("a search evaluates every trial: give an eval_dataset")
-
     # A URL is checked here (store, bucket, credentials); its runs are written to a staging folder.
     home = runs.open_home(trainer.args.output_dir)
     # Absolute, so trials that run in another working directory (Ray workers) write here too.
     output_dir = check_output_dir(home.local)
-    check_one_study(output_dir, request.study_name)
-    settings = request.settings(
-        output_dir=output_dir,
+    study_name = options.study_name or DEFAULT_STUDY_NAME
+    check_one_study(output_dir, study_name)
+    derived = replace(
+        options,
         space=space,
+        study_name=study_name,
+        output_dir=output_dir,
         directions=directions,
         objective_name=objective if isinstance(objective, str) else "objective",
         resources_per_trial=placement.resources,
+        given=given_optional(options),
+        home=home,
     )
-    settings.home = home
-    chosen = get_backend(request.backend, settings)
-    chosen.check_study()
-    hp_space = request.hp_space
-    if space is None and settings.space is not None:  # the backend read a native hp_space
-        space, hp_space = validate_space(settings.space), settings.hp_space  # a W&B sweep config
-        check_space_against_args(space, trainer.args, takes_trial)
-    job = job_for(trainer, request, objective, directions, hp_space, takes_trial, output_dir)
-    job.home = home if home.remote else None
-    if placement.note:
-        print(f"hpsweep: {placement.note}", file=sys.stderr)
-    return settings, job, chosen
+    return derived, objective, takes_trial, placement.note
+
+
+def adopt_native_options(settings: SearchOptions, args: Any, takes_trial: bool) -> SearchOptions:
+    """The options an ``hp_space`` in the backend library's own form stands for (a W&B sweep
+    config: its space, method and stopping), adopted before the backend is made; a space it
+    holds is checked as a space given is."""
+    native = backend_class(settings.backend).native_options(settings)
+    if native.get("space") is not None:
+        native["space"] = validate_space(native["space"])
+        check_space_against_args(native["space"], args, takes_trial)
+    return replace(settings, **native) if native else settings
 
 
 def job_for(
-    trainer: Any,
-    request: SearchRequest,
-    objective: Objective,
-    directions: list[str],
-    hp_space: Callable | None,
-    takes_trial: bool,
-    output_dir: Path,
+    trainer: Any, settings: SearchOptions, objective: Objective, takes_trial: bool
 ) -> SweepJob:
     """What every trial of the sweep needs, taken from the trainer the search was called on."""
     return SweepJob(
         **trainer_parts(trainer),
-        args=trial_arguments(trainer.args, output_dir),
+        args=trial_arguments(trainer.args, settings.output_dir),
         objective=objective,
-        directions=directions,
-        hp_space=hp_space,
-        hp_name=request.hp_name,
+        directions=settings.directions,
+        hp_space=settings.hp_space,
+        hp_name=settings.hp_name,
         sweep_callbacks=[
-            *request.sweep_callbacks,
-            *report_to_callbacks(trainer.args.report_to, request.sweep_callbacks),
-            *push_to_hub_callbacks(trainer.args, request.sweep_callbacks),
+            *settings.sweep_callbacks,
+            *report_to_callbacks(trainer.args.report_to, settings.sweep_callbacks),
+            *push_to_hub_callbacks(trainer.args, settings.sweep_callbacks),
         ],
         model_takes_trial=takes_trial,
-        processes_per_trial=request.processes_per_trial,
+        processes_per_trial=settings.processes_per_trial,
+        home=settings.home if settings.home.remote else None,
     )
 
 
-def refuse_combinations(args: Any, request: SearchRequest) -> None:
+def refuse_combinations(args: Any, options: SearchOptions) -> None:
     """Settings that work alone but not together."""
-    if request.processes_per_trial > 1 and args.auto_find_batch_size:
+    if options.processes_per_trial > 1 and args.auto_find_batch_size:
         raise UserError(
             "auto_find_batch_size with --processes-per-trial: a process that runs out of memory cannot "
             "restart the others; set per_device_train_batch_size to a size that fits instead"
         )
-    if request.processes_per_trial > 1 and args.train_sampling_strategy == "group_by_length":
+    if options.processes_per_trial > 1 and args.train_sampling_strategy == "group_by_length":
         raise UserError(
             "train_sampling_strategy='group_by_length' with --processes-per-trial: the processes' "
             "shares of a grouped order are not drawn per epoch yet; use 'random' or one process per trial"
         )
-    if request.scheduler == "pbt" and args.save_only_model:
+    if options.scheduler == "pbt" and args.save_only_model:
         raise UserError(
             "--scheduler pbt goes on from other trials' checkpoints, and save_only_model=True writes the "
             "model alone, nothing to train on from; set save_only_model=False"
         )
 
 
-def checked_space(request: SearchRequest, args: Any, takes_trial: bool) -> dict[str, Any] | None:
+def checked_space(options: SearchOptions, args: Any, takes_trial: bool) -> dict[str, Any] | None:
     """The space, validated against the arguments; None for a define-by-run ``hp_space``."""
-    if (request.space is None) == (request.hp_space is None):
+    if (options.space is None) == (options.hp_space is None):
         raise UserError("give exactly one of space={...} or hp_space=function")
-    if request.space is None:
+    if options.space is None:
         return None
-    space = validate_space(request.space)
+    space = validate_space(options.space)
     check_space_against_args(space, args, takes_trial)
     return space
 
@@ -376,10 +277,9 @@ def check_objective(objective: Objective, directions: list[str]) -> None:
 def run_sweep(
     chosen: Backend,
     job: SweepJob,
-    settings: SearchSettings,
+    settings: SearchOptions,
     *,
-    show_progress: bool,
-    make_runner: Callable[[SweepJob, SearchSettings], Any] | None = None,
+    make_runner: Callable[[SweepJob, SearchOptions], Any] | None = None,
 ) -> Any:
     """Run the backend over the sweep's folder, with its progress and sweep callbacks around it;
     returns the best run(s). A refusal before any trial leaves no folder behind."""
@@ -390,7 +290,7 @@ def run_sweep(
     output_dir = settings.output_dir
     made = open_output_dir(output_dir, settings.study_name)
     progress = None
-    if show_progress:
+    if settings.show_progress:
         from hpsweep.search.progress import SweepProgress
 
         progress = SweepProgress(
@@ -435,7 +335,7 @@ def run_sweep(
     return best
 
 
-def _trial_runner(job: SweepJob, settings: SearchSettings) -> TrialRunner:
+def _trial_runner(job: SweepJob, settings: SearchOptions) -> TrialRunner:
     return TrialRunner(job, settings.backend)
 
 

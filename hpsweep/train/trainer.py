@@ -360,13 +360,15 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         """Search ``space`` (or define-by-run ``hp_space``) with ``backend``; returns the `BestRun`
         (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
         ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
-        ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``.
+        ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``,
+        ``max_failed_trials``, ``sweep_callbacks``, ``show_progress`` (``hpsweep.search.options``
+        says what each means); any other keyword is an option of the backend.
 
         transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
         Optuna, ``directions=[...]`` as its docs write it), and so does its first positional
         parameter, ``hp_space``; so do those it hands each backend's library (the README's
         "Coming from Hugging Face's Trainer")."""
-        from hpsweep.search.sweep import search
+        from hpsweep.search.sweep import SearchOptions, search
 
         if callable(space) and hp_space is None:  # transformers' first parameter is hp_space
             space, hp_space = None, space
@@ -374,8 +376,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             raise UserError(
                 "hyperparameter_search needs Trainer(model_init=...) to build a fresh model per trial"
             )
-        return search(
-            self,
+        options = SearchOptions.from_keywords(
             space=space,
             hp_space=hp_space,
             n_trials=n_trials,
@@ -385,6 +386,7 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
             hp_name=hp_name,
             **backend_options,
         )
+        return search(self, options)
 
 
 def _refuse_push(args: TrainingArguments) -> None:

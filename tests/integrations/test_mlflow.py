@@ -409,11 +409,11 @@ def test_machines_of_one_sweep_at_an_object_store_share_one_parent_run(
     from mlflow.tracking import MlflowClient
 
     from hpsweep.integrations.mlflow import MLflowTracker
-    from hpsweep.search.backends import SearchSettings
+    from hpsweep.search.options import SearchOptions
 
     parents = []
     for machine in ("m0", "m1"):
-        settings = SearchSettings(
+        settings = SearchOptions(
             output_dir=tmp_path / machine / "staging",
             study_name="shared",
             home=SimpleNamespace(url="s3://sweeps/shared"),

@@ -23,7 +23,6 @@ from support import write_space
 
 import hpsweep
 from hpsweep.search.backends import _study_ledger
-from hpsweep.search.backends._base import SearchSettings
 from hpsweep.search.backends._optuna import OptunaBackend, shared_database
 from hpsweep.search.backends._patient import PatientStorage
 from hpsweep.search.backends._storages import parse_storage
@@ -38,6 +37,7 @@ from hpsweep.search.backends._study_ledger import (
     standing,
 )
 from hpsweep.search.job import SweepCallback
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Float
 
 pytestmark = [
@@ -203,7 +203,7 @@ def test_the_study_is_checked_on_the_storage_the_sweep_then_uses_with_one_trial_
     assert sweeps["small"][0].connections == alone.counts["connections"]
     rows = {}
     for name, (_, url, out) in sweeps.items():
-        settings = SearchSettings(
+        settings = SearchOptions(
             output_dir=out, space={"learning_rate": Float(1e-3, 3e-1, log=True)},
             directions=["maximize"], objective_name="eval_accuracy", storage=url,
             study_name="cost", n_jobs=2,

@@ -19,6 +19,7 @@ from hpsweep import runs
 from hpsweep.runs import _index, _records
 from hpsweep.search.ledger import Ledger
 from hpsweep.search.progress import SweepProgress
+from hpsweep.trial import Trial
 
 DIRECTIONS = ["minimize", "maximize"]
 #: The Pareto front of every sweep below; the other trials are dominated by its first member.
@@ -87,11 +88,10 @@ def counting(monkeypatch):
 
 def a_trial_through_the_ledger(ledger: Ledger, out: Path, started: float) -> int:
     """What an executor backend asks the ledger for one trial, and the trial's own records."""
-    with ledger.locked():
-        ledger.reap()
-        claim = ledger.claim_new()
-        number = ledger.next_number()
-        claim.lease.bind(str(number), number=number)
+    claimed = ledger.take_trial(
+        lambda session: session.claim_new(numbered=True), lambda claim: Trial(claim.number)
+    )
+    claim, number = claimed.claim, claimed.trial.number
     finish(out, number, [0.9, 0.0], state="running")
     finish(out, number, [0.9, 0.0])
     claim.lease.release()
@@ -111,7 +111,8 @@ def test_the_ledger_answers_a_trial_from_what_changed(tmp_path, monkeypatch, fro
         with counting(monkeypatch) as counts:
             assert a_trial_through_the_ledger(ledger, out, started) == n
         work[n] = counts
-        assert ledger.next_number() == n + 1 and ledger.next_number(prefer=2) == n + 1
+        with ledger.locked() as session:
+            assert session.next_number() == n + 1 and session.next_number(prefer=2) == n + 1
         failed = finish(out, n + 1, [0.9, 0.0], state="failed")
         assert [r.id for r in ledger.failures_since(started)] == [failed.id]
     assert work[30] == work[300] and work[30]["listdir"] == 0, work

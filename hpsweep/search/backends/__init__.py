@@ -7,7 +7,8 @@ import importlib
 from typing import Any
 
 from hpsweep.errors import TrialFailed, UserError
-from hpsweep.search.backends._base import Backend, SearchSettings, TrialFunction
+from hpsweep.search.backends._base import Backend, TrialFunction
+from hpsweep.search.options import SearchOptions
 
 #: name -> (module, class, pip extra that provides its library)
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -17,7 +18,7 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def get_backend(name: str, settings: SearchSettings) -> Backend:
+def get_backend(name: str, settings: SearchOptions) -> Backend:
     """The backend called ``name``, constructed (and so validated) for ``settings``."""
     return backend_class(name)(settings)
 
@@ -51,7 +52,7 @@ def backend_class(name: str) -> type[Backend]:
 
 __all__ = [
     "Backend",
-    "SearchSettings",
+    "SearchOptions",
     "TrialFailed",
     "TrialFunction",
     "get_backend",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from hpsweep.errors import UserError, did_you_mean
 from hpsweep.runs import TrialRecord
-from hpsweep.search.space import Distribution
+from hpsweep.search.ledger import Ledger
+from hpsweep.search.ledger_base import TrialLedger
+from hpsweep.search.options import SearchOptions
+from hpsweep.search.progress import Counts
 from hpsweep.trial import Trial
 
 #: What a backend calls for every trial: trains it and returns its objective value(s).
@@ -18,79 +19,38 @@ from hpsweep.trial import Trial
 TrialFunction = Callable[[Trial], "float | list[float]"]
 
 
-#: The settings only some backends read, and the backend to suggest when one is given to another.
-OPTIONAL_SETTINGS = ("storage", "address", "resources_per_trial")
+#: The backend to suggest when an option only another backend reads is given.
 OWNERS = {"address": "ray", "storage": "optuna"}
-
-
-@dataclass
-class SearchSettings:
-    """Everything a backend needs to know about the search, independent of the trainer."""
-
-    output_dir: Path
-    space: dict[str, Distribution] | None = None
-    hp_space: Callable[[Trial], dict[str, Any]] | None = None
-    directions: list[str] = field(default_factory=lambda: ["minimize"])
-    objective_name: str = "eval_loss"
-    n_trials: int | None = None
-    timeout: float | None = None
-    n_jobs: int = 1
-    study_name: str = "hpsweep"
-    storage: Any = None  # a path, a URL, or an optuna BaseStorage (the Python API)
-    resume: bool = False
-    sampler: str | None = None
-    pruner: str | None = None
-    scheduler: str | None = None
-    seed: int | None = None
-    address: str | None = None
-    resources_per_trial: dict[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
-    options: dict[str, Any] = field(default_factory=dict)
-    # the backend's name, for sweep callbacks that record it (MLflow, model cards)
-    backend: str = ""
-    max_failed_trials: int = 5
-    processes_per_trial: int = 1
-    #: The optional settings the user gave explicitly (checked against `Backend.reads`).
-    given: frozenset[str] = frozenset()
-    #: The sweep's home (`hpsweep.runs.Home`): ``output_dir`` itself, or an object store that
-    #: ``output_dir`` stages for; None when a caller names none (the output folder is the home).
-    home: Any = None
-
-    @property
-    def home_url(self) -> str:
-        """The home as users name it (and as a study on many machines remembers it)."""
-        return self.home.url if self.home is not None else str(self.output_dir)
-
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.directions) > 1
 
 
 class Backend:
     """Decides which params to try, and for an executor backend where trials run; nothing else.
 
     Counting, numbering, leases, running cut-short trials again and failures are the sweep's
-    ledger's (`hpsweep.search.ledger.Ledger`), alike for every backend. Two kinds of backend
+    ledger's (`hpsweep.search.ledger_base.TrialLedger`), alike for every backend. Two kinds of backend
     share this interface:
 
     - **Ask/tell backends** (Optuna; W&B without a server) implement `ask` and `tell`. The search
       layer's loop (`hpsweep.search.loop`) runs the trials, here and in ``--n-jobs`` worker
-      processes: under the ledger's lock it reaps, claims a lease (a trial to run again or a new
-      one), asks the backend and binds the lease to the trial; then it trains the trial, tells
-      the backend how it ended and releases the lease.
+      processes: the ledger's claim (`TrialLedger.next_trial`) reaps, claims a lease (a trial to
+      run again or a new one), asks the backend and binds the lease to the trial; then the loop
+      trains the trial, tells the backend how it ended and releases the lease.
     - **Executor backends** (Ray Tune; W&B with a server, whose agent runs the trials) override
       `run`: their trials start somewhere else (a Tune worker, the agent's thread), and there
-      they make the loop's ledger calls themselves: under `Ledger.locked`, `Ledger.reap`, then
-      `Ledger.claim_new` or `Ledger.claim_trial`, `Ledger.next_number` for a new trial's number
-      and `Lease.bind`; the trial runner records the trial; `Lease.release`. A driver that runs
-      trials in batches asks `Ledger.needed` and `Ledger.next_number` before one, and after it
-      tells the ledger what it saw that its trials could not record (`Ledger.wait_for_endings`,
-      `Ledger.settle`, `Ledger.restate`). It never counts, numbers or rewrites records itself.
+      they run the same claim (`Ledger.take_trial`, choosing what to claim: a new trial, or one
+      they run again); the trial runner records the trial; `Lease.release`. What needs the
+      ledger's lock is reached through the session ``with ledger.locked() as session:`` yields:
+      a driver that runs trials in batches asks ``session.needed()`` and
+      ``session.next_number()`` before one, and after it tells the ledger what its trials could
+      not record (`Ledger.wait_for_endings`, ``session.settle``, ``session.restate``). It never
+      counts, numbers or rewrites records itself.
 
     A backend is one module (or package) in ``hpsweep/search/backends/`` and one line in
-    ``backends/__init__.py``. `__init__` checks the settings and raises `UserError` for what it
-    cannot do (a sampler it lacks, define-by-run, a missing extra), before anything is written to
-    disk. `open` and `close` bracket a worker's use of an ask/tell backend (in each ``--n-jobs``
-    worker process after the fork, so connections are never shared).
+    ``backends/__init__.py``. `__init__` checks the search's `SearchOptions` and raises
+    `UserError` for what it cannot do (a sampler it lacks, define-by-run, a missing extra), before
+    anything is written to disk; it reads the options and never changes them (what it works out
+    of them is its own attribute). `open` and `close` bracket a worker's use of an ask/tell
+    backend (in each ``--n-jobs`` worker process after the fork, so connections are never shared).
     """
 
     name: ClassVar[str]
@@ -98,7 +58,7 @@ class Backend:
     samplers: ClassVar[Sequence[str]] = ()
     pruners: ClassVar[Sequence[str]] = ()
     schedulers: ClassVar[Sequence[str]] = ()
-    #: The optional settings the backend reads (names of `SearchSettings` fields); one given
+    #: The optional settings the backend reads (`hpsweep.search.options.OPTIONAL`); one given
     #: explicitly that it does not read is an error, not silence.
     reads: ClassVar[frozenset[str]] = frozenset()
     #: Backend-specific keyword options (``hyperparameter_search(backend=..., name=value)``).
@@ -106,7 +66,8 @@ class Backend:
     #: Whether ``--n-jobs`` worker processes may share the backend's records (a shared storage).
     parallel: ClassVar[bool] = True
 
-    def __init__(self, settings: SearchSettings) -> None:
+    def __init__(self, settings: SearchOptions) -> None:
+        #: The search's options, as the sweep checked them: read, never changed.
         self.settings = settings
         self._check_choice("sampler", settings.sampler, self.samplers)
         self._check_choice("pruner", settings.pruner, self.pruners)
@@ -154,6 +115,14 @@ class Backend:
         ignored. Read before the settings are made."""
         return options, {}, None
 
+    @staticmethod
+    def native_options(settings: SearchOptions) -> dict[str, Any]:
+        """The options that an ``hp_space`` written in the backend library's own form stands
+        for, as Hugging Face's users write it (W&B: a sweep config is the space, its method the
+        sampler); empty when there is none. The sweep adopts them before it makes the backend, so
+        that the backend, the trials and the sweep callbacks read the same options."""
+        return {}
+
     def _takes_object(self, what: str, value: Any) -> bool:
         """Whether ``value`` is a ready-made sampler / pruner / scheduler object the backend uses as
         it is (Hugging Face users pass ``sampler=optuna.samplers.TPESampler(...)``)."""
@@ -187,15 +156,13 @@ class Backend:
         """Refuse, in one `UserError` line and before anything is written, a sweep whose stored
         study disagrees with the command (a backend that keeps its study in a shared database)."""
 
-    def ledger(self) -> Any:
+    def ledger(self) -> TrialLedger:
         """The sweep's ledger: by default files under the output folder (one machine, or a folder
         machines share); a backend whose study lives in a database machines share returns the
         study's own (`hpsweep.search.backends._study_ledger.StudyLedger`)."""
-        from hpsweep.search.ledger import Ledger
-
         return Ledger(self.settings.output_dir, self.settings.n_trials)
 
-    def progress_counts(self) -> Any:
+    def progress_counts(self) -> Callable[[], Counts] | None:
         """A callable that returns the sweep's `hpsweep.search.progress.Counts` as its study holds
         them, for a study that machines share (each machine's display then shows the whole
         sweep); None (the default): the display counts the records in the output folder."""

@@ -30,7 +30,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsweep.errors import EndedOutside, TakenOver, UserError
-from hpsweep.search.backends._base import Backend, SearchSettings
+from hpsweep.search.backends._base import Backend
 from hpsweep.search.backends._storages import (
     OPEN_TRIES,
     StorageSpec,
@@ -52,6 +52,8 @@ from hpsweep.search.backends._study_ledger import (
     check_home,
     standing,
 )
+from hpsweep.search.ledger_base import TrialLedger
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.reporter import CHECKPOINT, MLFLOW_RUN_ID, RUN_DIR
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.trial import Trial, training_step
@@ -198,7 +200,7 @@ class OptunaBackend(Backend):
     reads = frozenset({"storage", "resources_per_trial"})
     option_names = ("load_if_exists", "gc_after_trial")
 
-    def __init__(self, settings: SearchSettings) -> None:
+    def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
         if settings.sampler == "grid":
             if settings.space is None:
@@ -282,7 +284,7 @@ class OptunaBackend(Backend):
             )
         return kind in ("sql", "grpc")
 
-    def ledger(self) -> Any:
+    def ledger(self) -> TrialLedger:
         if not self.shared:
             return super().ledger()
         return StudyLedger(self.settings.output_dir, self.settings.n_trials, self.settings.home)

@@ -31,7 +31,7 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   seen it without a `BEAT`, by that machine's own clock, against `GRACE_S` (longer than
   `HEARTBEAT_S`); so a process killed between taking a trial and its first beat is noticed too.
   Any machine that looks for work puts a trial whose process stopped beating back to WAITING
-  (`run_again`): the same Optuna trial, with its params, number and folder, is taken by the next
+  (`StudySession.reap`, `run_again`): the same Optuna trial, with its params, number and folder, is taken by the next
   machine that asks, and resumes from its latest checkpoint. A trial stopped by Ctrl-C or SIGTERM
   goes back to WAITING the same way. No trial is failed for its machine's death, and the study
   never keeps a trial RUNNING that no process runs.
@@ -72,10 +72,10 @@ import time
 import warnings
 from bisect import bisect_left, insort
 from collections.abc import Sequence
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import optuna
 from optuna.storages._heartbeat import is_heartbeat_enabled
@@ -83,7 +83,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.search.ledger import Claim
+from hpsweep.search.ledger_base import Claim, Claimed, LedgerSession, TrialSource, Verdict
+from hpsweep.search.progress import Counts
+from hpsweep.trial import Trial
 
 # Optuna marks its heartbeat experimental and expects it under Study.optimize; hpsweep runs the
 # same calls around ask and tell.
@@ -128,7 +130,7 @@ class Heartbeat:
     `release`, the first time `HEARTBEAT_S` after the trial was taken; it takes the place of a
     file lease. Optuna's heartbeat row where the storage has one (SQL databases); through Optuna's
     storage proxy, which has none, a counter in the trial's system attribute `BEAT` (see
-    `StudyLedger.reap`).
+    `StudySession.reap`).
 
     ``started`` is the trial's start time when this process took it: each beat first checks that
     the trial is still RUNNING from that start, and otherwise stops, having noted in `found` how
@@ -153,7 +155,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="hpsweep-heartbeat", daemon=True)
         self._thread.start()
 
-    def bind(self, *args: Any, **kwargs: Any) -> None:
+    def bind(self, trial_id: str, ref: object = None, *, number: int | None = None) -> None:
         """Nothing to bind: the heartbeat belongs to its Optuna trial from the start."""
 
     def release(self) -> None:
@@ -186,6 +188,28 @@ class Heartbeat:
                 pass
 
 
+@runtime_checkable
+class StudyBackend(Protocol):
+    """What the study's ledger needs of the backend whose study it keeps
+    (`hpsweep.search.backends._optuna.OptunaBackend`), besides asking and abandoning trials."""
+
+    #: The study this worker process opened (None before `open`).
+    study: optuna.Study | None
+
+    def wrap(self, asked: optuna.Trial, again: runs.TrialRecord | None = None) -> Trial:
+        """The `Trial` of the Optuna trial ``asked`` (``again``: the record it runs again)."""
+
+    def exhausted(self) -> bool:
+        """Whether the sampler has nothing more to try (a finished grid)."""
+
+
+def _study_of(backend: TrialSource) -> tuple[StudyBackend, optuna.Study]:
+    """``backend`` as the study's ledger serves it, with its open study."""
+    if not isinstance(backend, StudyBackend) or backend.study is None:
+        raise TypeError(f"the study's ledger serves an opened Optuna backend, not {backend!r}")
+    return backend, backend.study
+
+
 class StudyLedger:
     """The trials of a sweep whose study is in a database shared by its machines.
 
@@ -212,9 +236,10 @@ class StudyLedger:
         # `COUNTS_FILE`'s modification time as last seen, and since when by our clock
         self._counts_seen: tuple[int, float] = (-1, 0.0)
 
-    def locked(self) -> Any:
-        """No lock: the database orders the trials (see the module's docstring)."""
-        return nullcontext()
+    def locked(self) -> StudySession:
+        """No lock: the database orders the trials (see the module's docstring); the session
+        that a lock would hold all the same, for what a files ledger does under its lock."""
+        return StudySession(self)
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
         self.index.refresh()
@@ -222,11 +247,12 @@ class StudyLedger:
 
     # --- handing out trials -------------------------------------------------------------------------
 
-    def next_trial(self, backend: Any) -> tuple[Claim, Any] | str:
-        """The next trial for this worker with its `Heartbeat`, or ``"wait"`` (trials still run
-        elsewhere; one may have to run again) or ``"done"``."""
-        study: optuna.Study = backend.study
-        self.reap(study)
+    def next_trial(self, backend: TrialSource) -> Claimed[Trial] | Verdict:
+        """The next trial for this worker with its `Heartbeat`, or `Verdict.WAIT` (trials still
+        run elsewhere; one may have to run again) or `Verdict.DONE`."""
+        optuna_backend, study = _study_of(backend)
+        with self.locked() as session:
+            session.reap(study)
         fresh = self._read(study, publish=True) if self._publish_due() else None
         if self.n_trials is not None and self._near_end():
             # Look before asking: a trial asked with no room would only wait.
@@ -235,21 +261,23 @@ class StudyLedger:
                 if close_unneeded(study._storage, tally.unfinished(trials)):
                     self._read(study)
                 publish_counts(self.output_dir, tally)  # what the last progress line reads
-                return "done"
+                return Verdict.DONE
             if tally.finished + tally.running >= self.n_trials:
-                return "wait"  # no room for one more; a running one may fail or die
-        if backend.exhausted():
-            return "done"  # a finished grid
+                return Verdict.WAIT  # no room for one more; a running one may fail or die
+        if optuna_backend.exhausted():
+            return Verdict.DONE  # a finished grid
         asked = study.ask()  # a trial put back to WAITING first, else a new one
         if not self._admitted(study, asked.number):
             # it holds its place in case a trial ahead fails; once the sweep has its trials, the
             # machine that sees it so closes it (`close_unneeded`), perhaps before this line
             with suppress(optuna.exceptions.UpdateFinishedTrialError):
                 study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
-            return "wait"
-        return self._claim(study, asked, backend)
+            return Verdict.WAIT
+        return self._claim(study, asked, optuna_backend)
 
-    def _claim(self, study: optuna.Study, asked: optuna.Trial, backend: Any) -> tuple[Claim, Any]:
+    def _claim(
+        self, study: optuna.Study, asked: optuna.Trial, backend: StudyBackend
+    ) -> Claimed[Trial]:
         """The admitted trial ``asked``, wrapped by ``backend``, with its running `Heartbeat`."""
         started = asked._cached_frozen_trial.datetime_start
         beat = Heartbeat(study._storage, asked._trial_id, started)
@@ -259,8 +287,8 @@ class StudyLedger:
         except BaseException:
             beat.release()
             raise
-        trial.fence = beat
-        return Claim(beat, again), trial  # type: ignore[arg-type]
+        trial.fence = beat  # type: ignore[attr-defined]  # an OptunaTrial's
+        return Claimed(Claim(beat, again), trial)
 
     def _near_end(self) -> bool:
         """Whether the next trial this process asks for may find no room: then it reads the study
@@ -331,15 +359,23 @@ class StudyLedger:
         found = self.index.lookup(wanted)  # its own file, read now: another host may have run it
         return None if found is None else dataclasses.replace(found)
 
-    def stopped(self, backend: Any, trial: Any) -> bool:
+    def stopped(self, backend: TrialSource, trial: Trial) -> bool:
         """A trial stopped by a signal goes back to WAITING, to run again on the next machine that
         asks; its backend is told nothing (True)."""
         fence = getattr(trial, "fence", None)
-        storage = backend.study._storage
+        storage = _study_of(backend)[1]._storage
         run_again(storage, storage.get_trial(trial.ref), getattr(fence, "started", None))
         return True
 
-    # --- dead machines --------------------------------------------------------------------------------
+
+class StudySession(LedgerSession):
+    """The study's ledger where a files ledger would hold its lock. There is no lock (the
+    database orders the trials), but what a lock would guard is reached only through this
+    session all the same, as `StudyLedger.locked` yields it."""
+
+    def __init__(self, ledger: StudyLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
 
     def reap(self, study: optuna.Study) -> None:
         """Put the trials whose process stopped beating back to WAITING (`run_again`).
@@ -350,13 +386,14 @@ class StudyLedger:
         beat), by its own clock. Skipped while this process's storage came back from an outage
         less than a grace period ago: the others' heartbeats were as cut off as ours, and need time
         to beat again. Looks once per `HEARTBEAT_S` at most: a heartbeat cannot go stale faster."""
-        storage, now = study._storage, time.monotonic()
+        self._held()
+        ledger, storage, now = self.ledger, study._storage, time.monotonic()
         back_at = getattr(storage, "back_at", None)
         if back_at is not None and now - back_at < GRACE_S + HEARTBEAT_S:
             return
-        if now - self._reaped_at < HEARTBEAT_S:
+        if now - ledger._reaped_at < HEARTBEAT_S:
             return
-        self._reaped_at = now
+        ledger._reaped_at = now
         optuna_heartbeat = is_heartbeat_enabled(storage)
         running = storage.get_all_trials(
             study._study_id, deepcopy=False, states=(TrialState.RUNNING,)
@@ -367,7 +404,7 @@ class StudyLedger:
         seen: dict[int, tuple[Any, float]] = {}
         for trial in running:
             run = (trial.system_attrs.get(BEAT), trial.datetime_start)
-            last = self._seen.get(trial._trial_id)
+            last = ledger._seen.get(trial._trial_id)
             seen[trial._trial_id] = last if last is not None and last[0] == run else (run, now)
             if optuna_heartbeat and run[0] is not None:
                 dead = trial._trial_id in stale
@@ -375,7 +412,7 @@ class StudyLedger:
                 dead = now - seen[trial._trial_id][1] > GRACE_S
             if dead:
                 run_again(storage, trial, trial.datetime_start)
-        self._seen = seen
+        ledger._seen = seen
 
 
 def standing(trial: FrozenTrial, run: Heartbeat | None) -> Standing:
@@ -541,9 +578,7 @@ class StudyCounts:
         # the records that ended after the file's counts were written, by id
         self._late: dict[str, runs.TrialRecord] = {}
 
-    def __call__(self) -> Any:
-        from hpsweep.search.progress import Counts
-
+    def __call__(self) -> Counts:
         stat = self._path.stat()  # none yet: the display counts the folder's records
         if (stat.st_mtime_ns, stat.st_size) != self._seen:
             data = json.loads(self._path.read_text())

@@ -43,9 +43,11 @@ with warnings.catch_warnings():
 
 from hpsweep import runs
 from hpsweep.errors import TrialFailed, TrialPruned, UserError
-from hpsweep.search.backends._base import Backend, SearchSettings
-from hpsweep.search.ledger import Claim, Ledger
+from hpsweep.search.backends._base import Backend
+from hpsweep.search.ledger import FolderSession, Ledger
+from hpsweep.search.ledger_base import Claim, Verdict
 from hpsweep.search.loop import WAIT_S
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
 from hpsweep.trial import Trial, training_step
 
@@ -114,10 +116,10 @@ class WandbTrial(Trial):
 # --- the space as a W&B sweep config -------------------------------------------------------------------
 
 
-def sweep_config(settings: SearchSettings) -> dict[str, Any]:
+def sweep_config(settings: SearchOptions) -> dict[str, Any]:
     """The W&B sweep config for ``settings``: method, metric, parameters and early_terminate.
 
-    >>> sweep_config(SearchSettings(Path("out"), space={"lr": Float(1e-4, 1e-1, log=True)}))["parameters"]
+    >>> sweep_config(SearchOptions(space={"lr": Float(1e-4, 1e-1, log=True)}))["parameters"]
     {'lr': {'distribution': 'log_uniform_values', 'min': 0.0001, 'max': 0.1}}
     """
     method = settings.sampler or "bayes"
@@ -248,15 +250,22 @@ class WandbBackend(Backend):
             theirs["objective"] = str(metric)
         return left, theirs, None
 
-    def __init__(self, settings: SearchSettings) -> None:
-        # a W&B sweep config, as Hugging Face users write hp_space
-        if settings.hp_space is not None:
-            native = _sweep_config_of(settings.hp_space)
-            if native is not None:
-                settings.space, settings.hp_space = space_from_sweep_config(native), None
-                settings.sampler = settings.sampler or native.get("method")
-                if "early_terminate" in native and settings.pruner is None:
-                    settings.pruner = "hyperband"
+    @staticmethod
+    def native_options(settings: SearchOptions) -> dict[str, Any]:
+        """A W&B sweep config, as Hugging Face users write ``hp_space``: its parameters are the
+        space, its method the sampler and its ``early_terminate`` hyperband, unless given."""
+        native = _sweep_config_of(settings.hp_space) if settings.hp_space is not None else None
+        if native is None:
+            return {}
+        stops = "early_terminate" in native and settings.pruner is None
+        return {
+            "space": space_from_sweep_config(native),
+            "hp_space": None,
+            "sampler": settings.sampler or native.get("method"),
+            "pruner": "hyperband" if stops else settings.pruner,
+        }
+
+    def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
         if settings.hp_space is not None or settings.space is None:
             raise UserError(
@@ -334,23 +343,41 @@ class WandbBackend(Backend):
     # --- local: the sweeps engine on the runs on disk -----------------------------------------------
 
     def ask(self, again: runs.TrialRecord | None = None) -> WandbTrial | None:
+        """A trial cut short, again from its latest checkpoint: its number, params and history.
+        A new trial is asked with the number the ledger gives it (`ask_numbered`)."""
+        if again is None:
+            raise NotImplementedError("a new W&B trial takes the ledger's number: ask_numbered()")
+        history = _checkpoint_history(runs.latest_checkpoint(Path(again.run_dir)), self.metric)
+        return self._offline_trial(again.number, again.params, history, self._finished())
+
+    def ask_numbered(self, number: int) -> WandbTrial | None:
+        """A new trial numbered ``number`` (`hpsweep.search.ledger_base.LedgerNumbered`: the
+        engine numbers nothing, so the ledger does, under its lock): the params the engine
+        proposes from the finished runs, drawn from ``--seed`` + ``number``; None once a grid is
+        done."""
         s = self.settings
-        records = self._records()
-        finished = [self._as_sweep_run(r) for r in records if r.backend == "wandb"]
-        if again is not None:  # cut short: train it again from its last checkpoint
-            number, params = again.number, again.params
-            history = _checkpoint_history(runs.latest_checkpoint(Path(again.run_dir)), self.metric)
-        else:
-            # asked under the ledger's lock: the loop binds the claim's lease to this number
-            number = Ledger(s.output_dir, None).next_number()
-            if s.seed is not None:  # the engine samples with `random` and numpy
-                random.seed(s.seed + number)
-                np.random.seed((s.seed + number) % 2**32)
-            suggestion = sweeps.next_run(self.config, finished)
-            if suggestion is None:  # a grid that is done
-                return None
-            params = {k: _plain(v["value"]) for k, v in suggestion.config.items()}
-            history = []
+        finished = self._finished()
+        if s.seed is not None:  # the engine samples with `random` and numpy
+            random.seed(s.seed + number)
+            np.random.seed((s.seed + number) % 2**32)
+        suggestion = sweeps.next_run(self.config, finished)
+        if suggestion is None:  # a grid that is done
+            return None
+        params = {k: _plain(v["value"]) for k, v in suggestion.config.items()}
+        return self._offline_trial(number, params, [], finished)
+
+    def _finished(self) -> list[sweeps.SweepRun]:
+        return [self._as_sweep_run(r) for r in self._records() if r.backend == "wandb"]
+
+    def _offline_trial(
+        self,
+        number: int,
+        params: dict[str, Any],
+        history: list[dict[str, float]],
+        finished: list[sweeps.SweepRun],
+    ) -> WandbTrial:
+        """The trial as an offline W&B run (``DIR/wandb/``), with hyperband's stopper if any."""
+        s = self.settings
         mode = "disabled" if os.environ.get("WANDB_MODE") == "disabled" else "offline"
         run = wandb.init(
             mode=mode,
@@ -455,39 +482,32 @@ class _Agent:
                 and not self.errors
                 and not self.interrupted.is_set()
             ):
-                claim = self._claim()
-                if claim == "done":
+                claimed = self.ledger.take_trial(_new_trial, _its_place)
+                if claimed is Verdict.DONE:
                     break
-                if not isinstance(claim, Claim):
+                if isinstance(claimed, Verdict):
                     time.sleep(WAIT_S)  # other commands' trials run; one may fail
                     continue
                 try:
                     wandb.agent(
                         sweep_id,
-                        function=functools.partial(self._one_trial, claim),
+                        function=functools.partial(self._one_trial, claimed.trial.number),
                         count=1,
                         project=s.study_name,
                         entity=s.options.get("entity"),
                     )
                 finally:
-                    claim.lease.release()
+                    claimed.claim.lease.release()
         if self.errors:
             raise self.errors[0]
         if self.interrupted.is_set():
             raise KeyboardInterrupt
 
-    def _claim(self) -> Claim | str:
-        with self.ledger.locked():
-            self.ledger.reap()
-            return self.ledger.claim_new(waiting_run_again=False)
-
-    def _one_trial(self, claim: Claim) -> None:
-        """The agent calls this in its own thread, with the server's params."""
+    def _one_trial(self, number: int) -> None:
+        """The agent calls this in its own thread, with the server's params, for the trial
+        numbered ``number`` that the ledger's claim made room for."""
         backend = self.backend
         run = wandb.init(dir=str(self.settings.output_dir), settings=backend._init_settings())
-        with self.ledger.locked():
-            number = self.ledger.next_number()
-            claim.lease.bind(str(number), number=number)
         run.name = f"run-{number}"
         params = {name: _plain(run.config[name]) for name in backend.config["parameters"]}
         trial = WandbTrial(number, params, run=run, metric=backend.metric)
@@ -500,7 +520,8 @@ class _Agent:
         if getattr(threading.current_thread(), "_terminated", False):
             # The agent stops a run by raising inside its thread (the server's hyperband or
             # Ctrl-C): TrialRunner saw an exception, so record what it really was.
-            self.ledger.restate(trial.id, "stopped" if self.interrupted.is_set() else "pruned")
+            with self.ledger.locked() as session:
+                session.restate(trial.id, "stopped" if self.interrupted.is_set() else "pruned")
 
     @contextlib.contextmanager
     def _ctrl_c_remembered(self) -> Iterator[None]:
@@ -518,6 +539,19 @@ class _Agent:
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+def _new_trial(session: FolderSession) -> Claim | Verdict:
+    """What W&B's agent claims: a new trial, numbered by the ledger. The server cannot run a
+    cut-short trial again, so trials waiting to run again hold no place."""
+    return session.claim_new(waiting_run_again=False, numbered=True)
+
+
+def _its_place(claim: Claim) -> Trial:
+    """The agent's next trial as its claim's lease names it, by its number: the agent makes the
+    trial itself, in its own thread, once the server has given its params (`_Agent._one_trial`)."""
+    assert claim.number is not None
+    return Trial(claim.number)
 
 
 def _sweep_run(

@@ -2,8 +2,8 @@
 
 Ray decides what to try and where trials run: an executor backend (see `Backend`). The sweep's
 ledger (`hpsweep.search.ledger`) counts, numbers, leases and runs cut-short trials again, through
-the calls the search layer's loop makes, here on the driver between rounds and on the workers
-where trials start (docs/guarantees.md):
+the claim the search layer's loop runs (on the workers, where trials start) and the ledger's
+session (on the driver, between rounds) (docs/guarantees.md):
 
 - Tune's search algorithm picks params (``--sampler tpe``: Optuna's TPE through Tune's
   `OptunaSearch`; ``random``), its scheduler (``--scheduler fifo|asha|hyperband|pbt``) stops,
@@ -12,9 +12,10 @@ where trials start (docs/guarantees.md):
 - The driver runs Tune in rounds, each its own Tune experiment in ``<output-dir>/.ray/`` (or
   ``--storage``). First a round that runs again the trials the ledger holds as cut short (a
   killed command, a dead worker, Ctrl-C), each with its params, in its folder, from its latest
-  checkpoint; then rounds of new trials, as many as the ledger still needs (`Ledger.needed`),
-  numbered from `Ledger.next_number`, until it holds ``--n-trials`` finished (complete or
-  pruned) trials, the timeout passed, or ``--max-failed-trials`` trials of this command failed.
+  checkpoint; then rounds of new trials, as many as the ledger still needs
+  (`FolderSession.needed`), numbered from `FolderSession.next_number`, until it holds
+  ``--n-trials`` finished (complete or pruned) trials, the timeout passed, or
+  ``--max-failed-trials`` trials of this command failed.
   Each round's Optuna searcher starts from the results of the finished trials. So the same
   command continues a stopped sweep; ``--resume`` is accepted and changes nothing.
 - Each Tune trial takes its lease from the ledger on its worker before it trains (see
@@ -24,10 +25,11 @@ where trials start (docs/guarantees.md):
 - Before any trial the driver checks that the cluster can run the sweep (`._preflight`): some
   node can hold a trial, and on several nodes, each reaches Ray's storage; else one line.
 - After a round the driver tells the ledger what Tune saw and the trials could not record
-  (`Ledger.fail_unrecorded`, `Ledger.settle`): a trial Tune failed before it recorded itself, or
-  that Ray could not place (`._stopping.PlacementWatch`), is recorded as failed, so it counts
-  towards ``--max-failed-trials``; a trial the sweep's stop cut short runs again, not
-  ``pruned``; one whose workers died in two rounds of one command is recorded as failed.
+  (`FolderSession.fail_unrecorded`, `FolderSession.settle`): a trial Tune failed before it
+  recorded itself, or that Ray could not place (`._stopping.PlacementWatch`), is recorded as
+  failed, so it counts towards ``--max-failed-trials``; a trial the sweep's stop cut short runs
+  again, not ``pruned``; one whose workers died in two rounds of one command is recorded as
+  failed.
 
 Each evaluation is reported to Tune with the metrics, ``objective`` and, when one was saved at
 that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*``, with
@@ -62,7 +64,7 @@ from ray import tune
 from hpsweep import runs
 from hpsweep.errors import Interrupted, UserError
 from hpsweep.redaction import describe
-from hpsweep.search.backends._base import Backend, SearchSettings
+from hpsweep.search.backends._base import Backend
 from hpsweep.search.backends._ray._cluster import (
     collect_shipped_runs,
     connected,
@@ -104,7 +106,8 @@ from hpsweep.search.backends._ray._trial import (
     trainable,
     trial_name,
 )
-from hpsweep.search.ledger import AGAIN, Ledger
+from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Float, Int
 from hpsweep.train.arguments import apply_params, field_types
 
@@ -158,7 +161,7 @@ class RayBackend(Backend):
         "stop",
     )
 
-    def __init__(self, settings: SearchSettings) -> None:
+    def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
         self.native = native_space(settings.hp_space)  # Ray Tune domains from hp_space(None), if so
         self._choose_search(settings)
@@ -181,7 +184,7 @@ class RayBackend(Backend):
                 file=sys.stderr,
             )
 
-    def _choose_search(self, settings: SearchSettings) -> None:
+    def _choose_search(self, settings: SearchOptions) -> None:
         """Tune's scheduler and search algorithm: objects given as they are (a copy per round),
         or by name."""
         self.scheduler_object, self.sampler_object = (
@@ -201,7 +204,7 @@ class RayBackend(Backend):
         # One made with its own metric (PBT(metric="eval_acc", ...)) ranks trials by it, not the objective
         self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
 
-    def _check_search(self, settings: SearchSettings) -> None:
+    def _check_search(self, settings: SearchOptions) -> None:
         """The combinations Tune cannot run, as user errors before anything is written."""
         if self.scheduler_name == "pbt" and self.sampler_name != "random":
             raise UserError(
@@ -323,10 +326,10 @@ class RayBackend(Backend):
     ) -> bool:
         """Run the next Tune round: the trials waiting to run again, else the new trials the
         ledger still needs; False when it needs none and no trial runs anywhere."""
-        with ledger.locked():
-            ledger.reap()
+        with ledger.locked() as session:
+            session.reap()
             records = ledger.records(fresh=True)
-            needed, live, first = ledger.needed(), ledger.live(), ledger.next_number()
+            needed, live, first = session.needed(), ledger.live(), session.next_number()
         waiting = {r.id: r for r in records if r.state == AGAIN}
         if waiting:
             plan = dataclasses.replace(
@@ -480,8 +483,8 @@ class RayBackend(Backend):
         signals: StopSignals,
     ) -> None:
         """Tell the ledger what Tune did where a trial could not record it itself (the trials it
-        failed or could not place that have no record, then `Ledger.settle`), then end the sweep on
-        a user error or a signal; the loop ends it on too many failed trials."""
+        failed or could not place that have no record, then `FolderSession.settle`), then end the
+        sweep on a user error or a signal; the loop ends it on too many failed trials."""
         user_error = next(
             (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
         )
@@ -495,9 +498,9 @@ class RayBackend(Backend):
             ledger.wait_for_endings(ids, ENDINGS_WAIT_S)
         stuck = stopper.watch.stuck if stopper.watch else set()
         lost = {record_id(t) for t in trials if t.status == "ERROR" or t.trial_id in stuck}
-        with ledger.locked():
-            self._fail_unrecorded(ledger, trials, stopper.watch)
-            ledger.settle(
+        with ledger.locked() as session:
+            self._fail_unrecorded(session, trials, stopper.watch)
+            session.settle(
                 ids,
                 stopped_at=min(stops) if stops else None,
                 lost=lost,
@@ -510,13 +513,13 @@ class RayBackend(Backend):
             raise Interrupted(signals.signum)
 
     def _fail_unrecorded(
-        self, ledger: Ledger, trials: list[Any], watch: PlacementWatch | None
+        self, session: FolderSession, trials: list[Any], watch: PlacementWatch | None
     ) -> None:
         """Record as failed the trials of a round that Tune failed (its storage check, an actor
         that died before the trial took its place in the ledger) or that Ray could not place, and
         that have no record: they count towards ``--max-failed-trials``, so a cluster that cannot
         run a trial ends the sweep in one line instead of rounds of trials failing out of sight."""
-        known = {r.id for r in ledger.records(fresh=True)}
+        known = {r.id for r in session.ledger.records(fresh=True)}
         for t in trials:
             if record_id(t) in known:
                 continue
@@ -535,7 +538,7 @@ class RayBackend(Backend):
                 directions=list(self.settings.directions),
                 user_attrs={"ray_trial_id": t.trial_id},
             )
-            ledger.fail_unrecorded(
+            session.fail_unrecorded(
                 t.trial_id, error=error, template=template, number=number_in_name(str(t))
             )
 
@@ -578,7 +581,7 @@ class _RoundSearch:
     namer: _TrialNamer
 
 
-def _resources(settings: SearchSettings) -> dict[str, float]:
+def _resources(settings: SearchOptions) -> dict[str, float]:
     """What each trial reserves: ``--resources-per-trial``, by default a CPU per process of a
     data-parallel trial (``--processes-per-trial N`` runs N processes forked by its Tune worker),
     as the GPUs are one per process (`hpsweep.devices.plan`)."""
@@ -596,7 +599,7 @@ def _resources(settings: SearchSettings) -> dict[str, float]:
     }
 
 
-def _storage_path(settings: SearchSettings) -> str:
+def _storage_path(settings: SearchOptions) -> str:
     """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``.ray`` in the
     sweep's home. An object-store home (``--output-dir s3://...``) writes to a staging folder
     on this machine, which other nodes do not see: on a cluster, Tune's experiments go to
@@ -640,8 +643,8 @@ def _pickle_user_code(runner: Any) -> None:
 class _TrialNamer:
     """Numbers and names the trials of a round ``trial-<number>-<id>`` (`trial_name`): a trial run
     again by its own number, a new one by the order Tune creates them in, from ``first`` (the
-    ledger's `Ledger.next_number` when the round began). The name is how a worker learns the
-    number: it takes it from the ledger as its preference, or as it is on a node without the
+    ledger's `FolderSession.next_number` when the round began). The name is how a worker learns
+    the number: it takes it from the ledger as its preference, or as it is on a node without the
     ledger (see `._trial`)."""
 
     def __init__(self, first: int, again: dict[str, int] | None = None) -> None:

@@ -24,8 +24,8 @@ from ray.tune.search.sample import Domain
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.search.backends._base import SearchSettings
 from hpsweep.search.backends._ray._trial import FAILED_KEY, METRIC, USER_ERROR_KEY
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
 from hpsweep.train.arguments import FIELD_NAMES
 
@@ -85,7 +85,7 @@ def _is_domain(value: Any) -> bool:
 
 
 def search_algorithm(
-    settings: SearchSettings,
+    settings: SearchOptions,
     sampler: str,
     param_space: dict[str, Any],
     define_by_run: bool,
@@ -138,7 +138,7 @@ def search_algorithm(
 
 
 def scheduler(
-    settings: SearchSettings, name: str, param_space: dict[str, Any], budget: int | None
+    settings: SearchOptions, name: str, param_space: dict[str, Any], budget: int | None
 ) -> Any:
     """Tune's trial scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
     from ray.tune.schedulers import (

@@ -4,8 +4,8 @@ ends a trial (`StopWhen`). A private helper of `hpsweep.search.backends._ray`.
 
 Tune stops every trial the same way, whether its scheduler pruned it or the sweep stopped; the
 driver notes when the sweep began to stop (`StopSignals.stopped_at`, `StopOnUserError.stopped_at`)
-and writes the command's stop file, so trials and the ledger (`Ledger.settle`) can tell the two
-apart.
+and writes the command's stop file, so trials and the ledger (`FolderSession.settle`) can tell
+the two apart.
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 hands the trainer. A private helper of the Ray Tune backend `hpsweep.search.backends._ray`.
 
 Each Tune trial is one call of `train_trial`, on whichever node Tune placed it. Before training
-it takes a lease from the sweep's ledger (`hpsweep.search.ledger`) under the ledger's lock, with
-the calls the search layer's loop makes (`Ledger.reap`, then a claim), so counting, running again
-and two commands on one folder work on Ray alike:
+it takes a lease from the sweep's ledger (`hpsweep.search.ledger`) with the claim the search
+layer's loop runs (`Ledger.take_trial`: under the lock, reap, claim, number, bind), so counting,
+running again and two commands on one folder work on Ray alike:
 
-- a trial of a round of new trials claims a new trial (`Ledger.claim_new`) and its number
-  (`Ledger.next_number`, preferring the one the driver put in its name, `trial_name`); when the
-  ledger has enough (finished, running and waiting to run again), the timeout passed or
-  ``--max-failed-trials`` trials of this command failed, it returns without a record;
+- a trial of a round of new trials claims a new trial and its number (`FolderSession.claim_new`,
+  preferring the number the driver put in its name, `trial_name`); when the ledger has enough
+  (finished, running and waiting to run again), the timeout passed or ``--max-failed-trials``
+  trials of this command failed, it returns without a record;
 - a trial of a round of re-runs (its config names the trial, `AGAIN_KEY`) claims that trial
-  (`Ledger.claim_trial`) and continues it in its folder from its latest checkpoint;
+  (`FolderSession.claim_trial`) and continues it in its folder from its latest checkpoint;
 - a trial Tune starts once more itself claims its own trial again: after its worker died (Tune's
   ``FailureConfig`` retry) from its run folder's latest checkpoint, as any trial run again; after
   a scheduler paused it (HyperBand, PBT's exploit) from the checkpoint Tune hands it.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import math
 import os
 import select
@@ -54,7 +55,8 @@ from hpsweep.search.backends._ray._cluster import (
     sees_output_dir,
     stop_file,
 )
-from hpsweep.search.ledger import AGAIN, Claim, Lease, Ledger
+from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
+from hpsweep.search.ledger_base import Claim, Claimed, Hold, Verdict
 from hpsweep.trial import Trial
 
 METRIC = "objective"
@@ -291,7 +293,7 @@ def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
         claimed = _claim(Ledger(runner.job.output_dir, plan.n_trials), wanted, plan)
         if claimed is None:
             return  # nothing to run: the ledger has enough, the time is up, or another process runs it
-        trial, lease = claimed
+        trial, lease = claimed.trial, claimed.claim.lease
         trial.stop_file = stop_file(runner.job.output_dir, plan.marker)
     else:
         local = NodeLocalRuns(runner, plan.marker, ctx)
@@ -386,62 +388,60 @@ class _Wanted:
     again_id: str | None
 
 
-def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> tuple[RayTrial, Lease] | None:
-    """The trial to run and its lease, taken under the ledger's lock; None when there is none.
+def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> Claimed[RayTrial] | None:
+    """The trial to run with its lease (`Ledger.take_trial`); None when there is none.
 
     A trial Tune starts once more may find its previous run still recording its end on another
-    actor (a PBT exploit): it waits for that, as long as Tune's own reset_config() would.
+    actor (a PBT exploit, `Verdict.BUSY`): it waits for that, as long as Tune's own
+    reset_config() would.
     """
     patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
+    choose = functools.partial(_choose, wanted=wanted, plan=plan)
+    make = functools.partial(_make, wanted=wanted, plan=plan)
     while True:
-        with ledger.locked():
-            ledger.reap()
-            claimed = _claim_locked(ledger, wanted, plan)
-            if isinstance(claimed, tuple):
-                trial, lease = claimed
-                lease.bind(trial.id, number=trial.number)
-        if claimed != "busy":
-            return claimed  # type: ignore[return-value]
+        got = ledger.take_trial(choose, make)
+        if got is not Verdict.BUSY:
+            return got if isinstance(got, Claimed) else None
         if time.monotonic() > patience:
             return None
         time.sleep(0.2)
 
 
-def _claim_locked(
-    ledger: Ledger, wanted: _Wanted, plan: RoundPlan
-) -> tuple[RayTrial, Lease] | str | None:
-    """`Ledger.claim_trial` for a round of re-runs or a trial Tune starts once more (a retry, a
-    paused trial resumed), `Ledger.claim_new` for a new one; ``"busy"`` while the trial's
-    previous run is still ending."""
+def _choose(session: FolderSession, *, wanted: _Wanted, plan: RoundPlan) -> Claim | Verdict:
+    """`FolderSession.claim_trial` for a round of re-runs or a trial Tune starts once more (a
+    retry, a paused trial resumed), `FolderSession.claim_new` for a new one, numbered as the
+    driver named it if that number is free; `Verdict.BUSY` while the trial's previous run is
+    still ending, `Verdict.DONE` when there is nothing to run."""
+    ledger = session.ledger
     if wanted.again_id is not None:  # a round of re-runs
-        claim = ledger.claim_trial(wanted.again_id)
-        if claim is None:
-            return None  # another command runs it
-        again = claim.again
-        assert again is not None
-        trial = RayTrial(again.number, again.params, id=again.id, budget=plan.budget)
-        trial.user_attrs["again"] = again
-        return trial, claim.lease
+        return session.claim_trial(wanted.again_id) or Verdict.DONE  # or another command runs it
     earlier = ledger.record(wanted.tune_id)
     if earlier is not None:  # Tune starts this trial once more
         if earlier.state == "running" or ledger.held(wanted.tune_id):
-            return "busy"  # its previous run is still ending (recorded, but the lease is held)
-        claim = ledger.claim_trial(wanted.tune_id, states=(AGAIN, "pruned"))
-        if claim is None:
-            return None
-        trial = RayTrial(earlier.number, wanted.params, id=wanted.tune_id, budget=plan.budget)
-        if earlier.state == AGAIN:  # its worker died: from its own folder
-            trial.user_attrs["again"] = claim.again
-        return trial, claim.lease
+            # its previous run is still ending (recorded, but the lease is held)
+            return Verdict.BUSY
+        return session.claim_trial(wanted.tune_id, states=(AGAIN, "pruned")) or Verdict.DONE
     if plan.deadline is not None and time.time() >= plan.deadline:
-        return None
+        return Verdict.DONE
     if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
-        return None  # the driver ends the sweep with the one line saying so
-    claim = ledger.claim_new()
-    if not isinstance(claim, Claim):
-        return None
-    number = ledger.next_number(prefer=wanted.hint)
-    return RayTrial(number, wanted.params, id=wanted.tune_id, budget=plan.budget), claim.lease
+        return Verdict.DONE  # the driver ends the sweep with the one line saying so
+    claim = session.claim_new(numbered=True, prefer=wanted.hint)
+    return Verdict.DONE if isinstance(claim, Verdict) else claim
+
+
+def _make(claim: Claim, *, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
+    """The `RayTrial` of ``claim``: the trial as recorded in a round of re-runs, else with the
+    params Tune gave it; one that waited to run again continues from its own folder (a retry
+    after its worker died), others from Tune's checkpoint if any (a paused trial resumed)."""
+    assert claim.number is not None  # claimed trials run again keep theirs; new ones take one
+    if wanted.again_id is not None:
+        assert claim.again is not None
+        trial = RayTrial(claim.number, claim.again.params, id=claim.again.id, budget=plan.budget)
+    else:
+        trial = RayTrial(claim.number, wanted.params, id=wanted.tune_id, budget=plan.budget)
+    if claim.again is not None:
+        trial.user_attrs["again"] = claim.again
+    return trial
 
 
 def _unleased(
@@ -468,7 +468,7 @@ def _unleased(
 def _train(
     runner: Any,
     trial: RayTrial,
-    lease: Lease | None,
+    lease: Hold | None,
     local: NodeLocalRuns | None,
     worst_extra: dict[str, float],
 ) -> None:
