@@ -15,6 +15,8 @@ several: over gloo on the CPU, NCCL on GPUs, as ``--processes-per-trial`` does.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -75,6 +77,9 @@ def join_launched(args: Any = None) -> None:
     use_cpu = bool(getattr(args, "use_cpu", False)) or not torch.cuda.is_available()
     options: dict[str, Any] = {}
     if not dist.is_initialized():
+        # the group this process starts is left before the interpreter ends: a gloo group
+        # still open then can abort the process as its threads are torn down
+        atexit.register(_leave_group)
         if args is not None:
             check_backend(args)
         options["timeout"] = timedelta(seconds=timeout_s(args))
@@ -85,6 +90,15 @@ def join_launched(args: Any = None) -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     PartialState(cpu=use_cpu, **options)
+
+
+def _leave_group() -> None:
+    """Leave the process group `join_launched` started, if it is still open."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def check_backend(args: Any) -> None:
