@@ -405,7 +405,7 @@ def per_trial_table(results: dict, storages: list[str], sides: list[str]) -> lis
                 if storage != "journal"
                 else "— | —"
             )
-            growth = statistics.median(r["cpu_ms_last"] / r["cpu_ms_first"] for r in runs)
+            growth = statistics.median(_ratio(r["cpu_ms_last"], r["cpu_ms_first"]) for r in runs)
             lines.append(
                 f"| {storage} | {side} | {m['finished']:.0f} | {m['start_s']:.1f} | "
                 f"{m['all_running_s']:.1f} | "
@@ -536,6 +536,11 @@ def load(args: argparse.Namespace) -> dict:
         for run in (r for side in runs.values() for r in side):
             run.update(figures(run["samples"], 0.0, args))
     return saved
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; NaN where b is 0 (a window too short to be sampled in a tiny run)."""
+    return a / b if b else float("nan")
 
 
 if __name__ == "__main__":
