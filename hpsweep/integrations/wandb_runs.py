@@ -18,7 +18,6 @@ sweep, and logs on its own step counter.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,6 @@ from hpsweep.trial import Trial
 GROUP_CHARS = 128
 #: How a run ends, by the trial's state: a stopped trial runs again (in the same run) later.
 EXIT_CODES = {"complete": 0, "pruned": 0, "failed": 1, "stopped": 130}
-#: How long a trial run again waits for W&B's service of its dead earlier attempt to let its run go.
-RESUME_WAIT_S = 120.0
 
 
 class WandbRuns(SweepCallback):
@@ -151,23 +148,8 @@ class RunLogger(TrainerCallback):
         run.finish(exit_code=EXIT_CODES.get(record.state, 1))
 
     def _start(self) -> Any:
-        """The trial's W&B run: a new one, or the run of its earlier attempt (``run_id``). A
-        process killed in a trial leaves W&B's service holding that run until the service sees
-        its parent gone; the run is asked for again until then (`RESUME_WAIT_S`)."""
         import wandb
 
-        deadline = time.monotonic() + RESUME_WAIT_S
-        while True:
-            try:
-                return self._init(wandb)
-            except UserError:
-                raise
-            except Exception as exc:
-                if not self.run_id or "in use" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
-
-    def _init(self, wandb: Any) -> Any:
         try:
             return wandb.init(
                 project=self.project,
