@@ -431,6 +431,11 @@ def cmd_show(ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command ``argv``; None is this process's own command line (the ``hpsweep`` script,
     ``python -m hpsweep.cli``), whose process ends with the command."""
+    if argv is None:
+        # This process owns its W&B service. One named by the shell's process (a notebook that
+        # ran wandb) outlives a crash of this sweep holding its trials' runs, and the command
+        # run again could not resume them ("run ID ... is in use").
+        os.environ.pop("WANDB_SERVICE", None)
     try:
         ns = build_parser().parse_args(argv)
         ns.process_ends = argv is None

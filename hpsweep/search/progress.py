@@ -130,15 +130,14 @@ class SweepProgress:
                 pass
 
     def _tick(self, final: bool = False) -> None:
-        self._index.refresh()
-        ended = []
-        for r in self._index.take_changed():
-            if r.state != "running" and r.id not in self._ended:
-                self._ended.add(r.id)
-                ended.append(r)
-            else:
-                self._best.offer(r)
-        counts = self._read_counts(force=final or bool(ended)).including(ended)
+        ended = self._take_ended()
+        counts = self._read_counts(force=final or bool(ended))
+        if ended and counts.as_of is not None:
+            # A trial of ours the study counts ended on disk before it was told (the loop writes
+            # the record first): looking again after reading the study finds each one, so that
+            # no line counts a trial whose own line comes later.
+            ended += self._take_ended()
+        counts = counts.including(ended)
         ended.sort(key=lambda r: r.finished_at or 0)
         for i, r in enumerate(ended):
             self._best.offer(r)
@@ -151,6 +150,18 @@ class SweepProgress:
                 best=self._best_text(counts),
                 left=self._time_left(counts),
             )
+
+    def _take_ended(self) -> list[runs.TrialRecord]:
+        """The records that ended since the last look; the others are offered to the best."""
+        self._index.refresh()
+        ended = []
+        for r in self._index.take_changed():
+            if r.state != "running" and r.id not in self._ended:
+                self._ended.add(r.id)
+                ended.append(r)
+            else:
+                self._best.offer(r)
+        return ended
 
     def _read_counts(self, force: bool) -> Counts:
         """The sweep's counts: the study's (when given; read again after ``counts_every`` s or
@@ -252,8 +263,12 @@ class Counts:
         if not later:
             return self
         states = Counter(r.state for r in later)
+        best = self.best
+        if best is not None and best[1] in {r.number for r in later}:
+            best = None  # the best was not yet: the records' best stands in
         return dataclasses.replace(
             self,
+            best=best,
             done=max(0, self.done - states["complete"] - states["pruned"]),
             failed=max(0, self.failed - states["failed"]),
             stopped=max(0, self.stopped - states["stopped"]),

@@ -8,6 +8,7 @@ as the bytes `wandb sync` uploads (as tests/train/test_hf_search.py reads them).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,13 @@ def test_a_trial_run_again_from_its_checkpoint_shows_each_step_once(
     tmp_path: Path, offline_wandb: None
 ) -> None:
     """The first run of the trial wrote steps 4 to 12 and died; the second resumes from step 8.
-    TensorBoard shows each step once, the second run's from 12 on, and W&B goes on in one run."""
+    TensorBoard shows each step once, the second run's from 12 on, and W&B goes on in one run:
+    also when the shell the commands start from runs W&B itself (a notebook that used wandb),
+    whose service outlives the dead command."""
+    import wandb
+
+    wandb.setup()  # this process's W&B service, named to its children in WANDB_SERVICE
+    assert os.environ.get("WANDB_SERVICE")
     space = write_space(
         tmp_path,
         space='{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True)}',
@@ -106,6 +113,7 @@ def test_a_trial_run_again_from_its_checkpoint_shows_each_step_once(
     assert scalars(run, "eval/accuracy")[2:] == second[2:]  # 12: the second run's
     offline = sorted((tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and len({d.name.rpartition("-")[2] for d in offline}) == 1
+    wandb.teardown()
 
 
 # --- W&B, from Trainer.hyperparameter_search -------------------------------------------------------

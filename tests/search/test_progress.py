@@ -18,7 +18,7 @@ from support import hpsweep_cli, write_space
 
 import hpsweep
 from hpsweep import runs
-from hpsweep.search.progress import SweepProgress
+from hpsweep.search.progress import Counts, SweepProgress
 
 
 def test_the_bar_is_redrawn_as_often_as_the_records_are_read(tmp_path, monkeypatch, capsys):
@@ -133,7 +133,7 @@ def test_off_a_terminal_rich_waits_for_the_first_line_and_the_lines_are_whole(tm
         import sys, time
         from pathlib import Path
         from hpsweep import runs
-        from hpsweep.search.progress import SweepProgress
+        from hpsweep.search.progress import Counts, SweepProgress
 
         out = Path({str(tmp_path)!r})
         progress = SweepProgress(out, n_trials=2, timeout=None, directions=["maximize"], objective_name="eval_accuracy",
@@ -163,3 +163,52 @@ def test_off_a_terminal_rich_waits_for_the_first_line_and_the_lines_are_whole(tm
     line = next(line for line in proc.stderr.splitlines() if " run-0" in line)
     assert "complete" in line and "eval_accuracy=0.9375" in line and "learning_rate=0.01" in line
     assert "(1/2 done, best eval_accuracy=0.9375 (run-0)" in line
+
+
+def test_a_trial_that_ends_while_the_study_is_read_is_counted_on_its_own_line_only(
+    tmp_path, capsys
+):
+    """Machines that share a study count its trials; a trial of this machine that ended while
+    the counts were read is in them, but the line of the trial before it still counts 1, not 2."""
+    progress: SweepProgress
+
+    def finish(number: int) -> None:
+        run_dir = runs.run_dir_for(tmp_path, str(number))
+        run_dir.mkdir()
+        runs.TrialRecord(
+            id=str(number),
+            number=number,
+            backend="optuna",
+            params={"learning_rate": 0.01 * (number + 1)},
+            objective_name="eval_accuracy",
+            directions=["maximize"],
+            run_dir=str(run_dir),
+        ).finish("complete", objective=0.5 + number / 10)
+
+    reads = []
+
+    def study_counts() -> Counts:
+        reads.append(time.time())
+        if len(reads) == 2:  # the read for run-0's line: trial 1 ends meanwhile, and is told
+            finish(1)
+        done = 0 if len(reads) == 1 else 2
+        return Counts(done=done, best=(0.6, 1) if done else None, as_of=time.time())
+
+    progress = SweepProgress(
+        tmp_path,
+        n_trials=2,
+        timeout=None,
+        directions=["maximize"],
+        objective_name="eval_accuracy",
+        interval=0.05,
+        counts=study_counts,
+        counts_every=60.0,
+    )
+    progress.start()
+    finish(0)
+    time.sleep(0.5)
+    progress.stop()
+    lines = [line for line in capsys.readouterr().err.splitlines() if " run-" in line]
+    assert [line.split()[1] for line in lines] == ["run-0", "run-1"], lines
+    assert "(1/2 done" in lines[0] and "(2/2 done" in lines[1], lines
+    assert "best eval_accuracy=0.5 (run-0)" in lines[0], lines  # not trial 1's, to come
