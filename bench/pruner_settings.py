@@ -52,7 +52,7 @@ START = time.time()
 import optuna, torch
 torch.set_num_threads(1)
 import hpsweep
-from hpsweep.search.backends import _optuna
+from hpsweep.search.backends._optuna import _backend as _optuna
 _optuna.OptunaBackend._pruner = lambda self: {pruner}
 if {sampler!r} != "None":
     _optuna.OptunaBackend._sampler = lambda self, stream, seed={seed}: {sampler}

@@ -289,7 +289,7 @@ def _storage(ns: argparse.Namespace) -> str | None:
     url = os.environ.get(STORAGE_ENV)
     if not url:
         return None
-    from hpsweep.search.backends._storages import StorageFromEnv
+    from hpsweep.search.backends._optuna._storages import StorageFromEnv
 
     return StorageFromEnv(url, STORAGE_ENV)
 
@@ -328,7 +328,7 @@ def sweep_folder(spec: str, *, checkpoints: bool = False) -> Iterator[tuple[Path
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from hpsweep.integrations.report import REPORT_FILE, write_report
+    from hpsweep.integrations.html_report import REPORT_FILE, write_report
 
     with sweep_folder(ns.dir) as (folder, home):
         if not home.remote:
@@ -348,11 +348,11 @@ def cmd_push(ns: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(ns: argparse.Namespace) -> int:
-    from hpsweep.search.backends._dashboard import serve_dashboard
+    from hpsweep.search.backends._optuna._dashboard import serve_dashboard
 
     storage = ns.storage or os.environ.get(STORAGE_ENV) or None
     if storage and not ns.storage:
-        from hpsweep.search.backends._storages import StorageFromEnv
+        from hpsweep.search.backends._optuna._storages import StorageFromEnv
 
         storage = StorageFromEnv(storage, STORAGE_ENV)
     try:

@@ -5,7 +5,9 @@
 - `hpsweep.devices.threads`: each trial's share of the CPU threads;
 - `hpsweep.devices.memory`: a trial's memory given back before the next one starts;
 - `hpsweep.devices.data_parallel`: one trial trained over ``--processes-per-trial`` processes;
-- `hpsweep.devices.process_group`: the group those processes, or torchrun's, train in.
+- `hpsweep.devices.process_group`: the group those processes, or torchrun's, train in;
+- `hpsweep.devices.signals`: every process a sweep starts stops on SIGTERM as on Ctrl-C, and dies
+  with its parent.
 
 `memory` and `data_parallel` import torch; this package's face does not, so importing it costs nothing.
 """

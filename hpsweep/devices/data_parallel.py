@@ -304,7 +304,7 @@ def _rank_main(
     callbacks: list[Any],
     resume_from: str | None,
 ) -> None:
-    from hpsweep.devices.processes import die_with_parent, raise_interrupted
+    from hpsweep.devices.signals import die_with_parent, raise_interrupted
 
     parent = os.getppid()
     die_with_parent()

@@ -6,7 +6,7 @@ Each lives in its own module and imports its library only when used::
     from hpsweep.integrations.mlflow import MLflowTracker      # --mlflow
     from hpsweep.integrations.tensorboard import TensorBoardTracker   # report_to="tensorboard"
     from hpsweep.integrations.wandb_runs import WandbRuns      # report_to="wandb"
-    from hpsweep.integrations.report import write_report       # hpsweep report DIR
+    from hpsweep.integrations.html_report import write_report       # hpsweep report DIR
     from hpsweep.integrations.hub import PushToHubCallback, push_best   # hpsweep push DIR
 """
 

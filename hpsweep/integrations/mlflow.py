@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 from hpsweep.errors import UserError
 from hpsweep.redaction import HIDDEN, describe, redact_url, scrub
 from hpsweep.search.job import SweepCallback
-from hpsweep.search.reporter import MLFLOW_RUN_ID
+from hpsweep.search.trial_reporter import MLFLOW_RUN_ID
 from hpsweep.train.callbacks import TrainerCallback
 
 logger = logging.getLogger("hpsweep.mlflow")

@@ -14,7 +14,7 @@ Layout (``DIR`` is ``--output-dir``)::
 
 Every file and folder is written under a temporary name and renamed into place, so a crash
 leaves either the old version or the new one, never half of one. One responsibility a private
-module, re-exported here: `_atomic` (atomic files and folders), `_checkpoints` (checkpoint
+module, re-exported here: `_atomic` (atomic files and folders), `_checkpoint_files` (checkpoint
 folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_model_folder`
 (what of a checkpoint ``best/`` holds, and its model card), `_index` (the
 records kept in memory for the ledger). `home` (public: `open_home`) is the sweep's home, a
@@ -28,7 +28,7 @@ from hpsweep.runs._atomic import (
     write_json,
     write_text,
 )
-from hpsweep.runs._checkpoints import (
+from hpsweep.runs._checkpoint_files import (
     CHECKPOINT_PREFIX,
     SCALER_FILE,
     CheckpointSnapshot,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpsweep.redaction import scrub
-from hpsweep.runs._checkpoints import MODEL_CLASS_KEY, SCALER_FILE
+from hpsweep.runs._checkpoint_files import MODEL_CLASS_KEY, SCALER_FILE
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData

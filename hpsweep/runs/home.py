@@ -47,7 +47,7 @@ from typing import Any
 from hpsweep import faults
 from hpsweep.errors import UserError
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
-from hpsweep.runs._checkpoints import CHECKPOINT_PREFIX, checkpoints
+from hpsweep.runs._checkpoint_files import CHECKPOINT_PREFIX, checkpoints
 from hpsweep.runs._model_folder import (
     ARGS_FILE,
     README,

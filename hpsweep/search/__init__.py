@@ -6,8 +6,9 @@
 - `job`: `SweepJob` (what every trial needs) and `SweepCallback` (the sweep's plug-in point);
 - `ledger_base`: the ledger's seam (`TrialLedger`, its session, what a claim hands out);
 - `ledger`: counting, leases and running trials again, once for every backend;
-- `loop`: the loop that claims, asks, trains and tells (here and in ``--n-jobs`` workers);
-- `trial_runner`, `reporter`: one trial trained and recorded, its evaluations reported;
+- `sweep_loop`: the loop that claims, asks, trains and tells (here and in ``--n-jobs`` workers);
+- `trial_runner`, `trial_reporter`: one trial trained and recorded, its evaluations reported;
+- `torchrun`: a search in a script that torchrun started several times;
 - `progress`: the live view of a sweep;
 - `backends`: what to try, behind one interface (Optuna, Ray Tune, W&B).
 """

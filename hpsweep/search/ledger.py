@@ -28,7 +28,7 @@ Guarantees (docs/guarantees.md), whatever process or command runs the trials:
 
 Who calls what. Every claim runs one sequence, `Ledger.take_trial`: under the lock, reap, claim
 a place, number the trial where the ledger gives its number, make the trial and bind the lease to
-it. The search layer's loop (`hpsweep.search.loop`) runs it through `Ledger.next_trial` for the
+it. The search layer's loop (`hpsweep.search.sweep_loop`) runs it through `Ledger.next_trial` for the
 ask/tell backends (Optuna, W&B without a server); an executor backend, whose trials start
 somewhere else (a Ray Tune worker, W&B's agent), runs it where its trials start, choosing what
 it claims (`FolderSession.claim_new`, `FolderSession.claim_trial`). The trial runner records the

@@ -1,7 +1,7 @@
 """The ledger's seam: what both of its homes implement and what a claim hands out.
 
 The ledger has two homes: files under the output folder (`hpsweep.search.ledger.Ledger`) and
-the study's own database on many machines (`hpsweep.search.backends._study_ledger.StudyLedger`).
+the study's own database on many machines (`hpsweep.search.backends._optuna._study_ledger.StudyLedger`).
 The search layer's loop, the trial runner and the backends see either through `TrialLedger`:
 
 - `TrialLedger.next_trial` hands out the next trial as `Claimed` (the `Claim` that keeps its

@@ -18,7 +18,7 @@ from typing import Any
 from hpsweep.errors import UserError, did_you_mean
 from hpsweep.search.objective import check_objective
 from hpsweep.train.arguments import TrainingArguments
-from hpsweep.train.transformers_args import as_training_arguments
+from hpsweep.train.hf_compat.args import as_training_arguments
 
 REQUIRED = ("model_init", "args", "train_dataset")
 OPTIONAL = (

@@ -3,7 +3,7 @@
 It checks everything a user can get wrong before anything is written (each refusal is one
 `UserError` line), adds to the options what it derives from them (the output folder, the
 directions, the objective's name, each trial's resources, the home: the one `SearchOptions` a
-backend reads) and builds the `SweepJob` every trial needs, then hands a `TrialLoop` over a
+backend reads) and builds the `SweepJob` every trial needs, then hands a `SweepLoop` over a
 `TrialRunner` to the chosen backend and returns the best run(s). Backends decide what to try:
 ask/tell backends under the loop, executor backends (Ray, W&B with a server) where their trials
 start; counting, leases and records are the ledger's.
@@ -37,7 +37,6 @@ from hpsweep.search.job import (
     trainer_parts,
     trial_arguments,
 )
-from hpsweep.search.launched import launched_rank, search_launched
 from hpsweep.search.objective import describe_objective
 from hpsweep.search.options import (
     DEFAULT_STUDY_NAME,
@@ -46,6 +45,7 @@ from hpsweep.search.options import (
     given_optional,
 )
 from hpsweep.search.space import validate_space
+from hpsweep.search.torchrun import launched_rank, search_launched
 from hpsweep.search.trial_runner import TrialRunner
 
 
@@ -283,7 +283,7 @@ def run_sweep(
 ) -> Any:
     """Run the backend over the sweep's folder, with its progress and sweep callbacks around it;
     returns the best run(s). A refusal before any trial leaves no folder behind."""
-    from hpsweep.search.loop import TrialLoop
+    from hpsweep.search.sweep_loop import SweepLoop
 
     # before the folder: a runner may refuse the settings
     runner = (make_runner or _trial_runner)(job, settings)
@@ -309,7 +309,7 @@ def run_sweep(
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
-        chosen.run(TrialLoop(runner, settings, chosen.ledger()))
+        chosen.run(SweepLoop(runner, settings, chosen.ledger()))
         finished = True
     except UserError:
         if not runs.read_trials(output_dir):

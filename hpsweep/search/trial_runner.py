@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hpsweep import devices, faults, runs
 from hpsweep.devices import memory
 from hpsweep.errors import DiskFull, TakenOver, TrialFailed, TrialPruned, UserError
-from hpsweep.search.reporter import TrialReporter
+from hpsweep.search.trial_reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments, apply_params
 from hpsweep.train.callbacks import TrainerCallback
 from hpsweep.trial import Trial

@@ -2,7 +2,7 @@
 
 Field names and meanings follow Hugging Face's ``TrainingArguments`` so that code moves over
 with only the import changed; a ``transformers.TrainingArguments`` instance is converted by
-`as_training_arguments` (see ``hpsweep/train/transformers_args.py``). A name we do not support is a `UserError`.
+`as_training_arguments` (see ``hpsweep/train/hf_compat/args.py``). A name we do not support is a `UserError`.
 
     >>> args = TrainingArguments(output_dir="out", num_train_epochs=3, learning_rate=1e-3)
     >>> apply_params(args, {"learning_rate": 0.01}).learning_rate
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep.errors import UserError, did_you_mean
-from hpsweep.train import hf_fields
+from hpsweep.train.hf_compat import fields as hf_fields
+from hpsweep.train.hf_compat.view import TransformersView
 from hpsweep.train.log_levels import LOG_LEVELS
-from hpsweep.train.transformers_view import TransformersView
 
 DEFAULT_OUTPUT_DIR = "hpsweep-output"
 STRATEGIES = ("no", "steps", "epoch")
@@ -89,7 +89,7 @@ REPORT_TO_PACKAGES = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb":
 #: transformers' ddp_backend values (torch.distributed's backends)
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "xccl", "hccl", "cncl", "mccl")
 #: Names of transformers 4 a user may pass that we refuse, with the fix (the rest get a generic
-#: one). transformers 5's fields are all in `hpsweep.train.hf_fields.FIELDS`.
+#: one). transformers 5's fields are all in `hpsweep.train.hf_compat.fields.FIELDS`.
 HF_REFUSED = {
     **dict.fromkeys(
         ("push_to_hub_model_id", "push_to_hub_organization", "push_to_hub_token"), PUSH_FIX
@@ -124,7 +124,7 @@ class TrainingArguments(TransformersView, metaclass=_ArgumentsMeta):
     """Arguments of one training run. Invalid values raise `UserError` on construction.
 
     Code written for transformers' arguments reads ``device``, ``world_size``, ``process_index``,
-    ``should_save`` and the like, and uses ``main_process_first()`` (`hpsweep.train.transformers_view.TransformersView`).
+    ``should_save`` and the like, and uses ``main_process_first()`` (`hpsweep.train.hf_compat.view.TransformersView`).
     Subclasses may add fields (``@dataclass class MyArgs(TrainingArguments): a: float = 0.0``);
     a trial param naming one of them is set like any other field.
     """

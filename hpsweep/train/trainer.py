@@ -31,7 +31,6 @@ from hpsweep.train.callbacks import (
     TrainerControl,
     TrainerState,
 )
-from hpsweep.train.checkpointing import Checkpointing
 from hpsweep.train.data import (
     Collator,
     batched,
@@ -45,6 +44,9 @@ from hpsweep.train.data import (
     train_sampler,
 )
 from hpsweep.train.evaluation import Evaluation, check_batch_metrics
+from hpsweep.train.hf_compat.api import TransformersTrainerAPI
+from hpsweep.train.hf_compat.args import as_training_arguments
+from hpsweep.train.hf_compat.components import default_collator, trainer_components
 from hpsweep.train.log_levels import apply_log_level
 from hpsweep.train.model_init import call_model_init, model_init_arity
 from hpsweep.train.predictions import (
@@ -55,10 +57,8 @@ from hpsweep.train.predictions import (
     smooths_labels,
 )
 from hpsweep.train.run_state import RunState
+from hpsweep.train.trainer_checkpoints import Checkpointing
 from hpsweep.train.training_loop import TrainingLoop, TrainOutput
-from hpsweep.train.transformers_api import TransformersTrainerAPI
-from hpsweep.train.transformers_args import as_training_arguments
-from hpsweep.train.transformers_components import default_collator, trainer_components
 
 
 class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):

@@ -32,13 +32,13 @@ from hpsweep import runs
 from hpsweep.errors import UserError
 from hpsweep.train.accelerator import bare_model, is_prepared_loader, make_accelerator
 from hpsweep.train.callbacks import TrainerControl, TrainerState, flow_on_epoch, flow_on_step
-from hpsweep.train.checkpointing import checkpoint_dir, load_checkpoint
 from hpsweep.train.memory_metrics import MemoryTracker, stop_tracking
 from hpsweep.train.metrics import metric_value, speed_metrics
 from hpsweep.train.model_init import enable_activation_checkpointing
 from hpsweep.train.model_init import set_seed as _set_seed
 from hpsweep.train.run_state import LoopTrainer, RunState
 from hpsweep.train.steps import step_ops
+from hpsweep.train.trainer_checkpoints import checkpoint_dir, load_checkpoint
 
 
 class TrainOutput(NamedTuple):

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from support import hpsweep_cli, write_space
 from support.postgres import PASSWORD
 
-from hpsweep.search.backends._storages import open_storage, parse_storage
+from hpsweep.search.backends._optuna._storages import open_storage, parse_storage
 
 PROBE = """
 import atexit, gc, json, os, sys

@@ -270,7 +270,7 @@ def test_a_sigterm_whose_exception_python_drops_still_stops_the_sweep() -> None:
     """A signal handler's exception raised while Python runs a ``__del__`` or a weakref callback
     (as a finished import's lock has) is printed and dropped; the sweep stops all the same, at the
     next trial (seen once in a full suite: the command finished its trials and exited 0)."""
-    from hpsweep.devices import processes
+    from hpsweep.devices import signals
 
     class Dropping:
         def __del__(self) -> None:
@@ -279,12 +279,12 @@ def test_a_sigterm_whose_exception_python_drops_still_stops_the_sweep() -> None:
             for _ in range(10_000):
                 pass
 
-    with processes.signals_interrupt():
+    with signals.signals_interrupt():
         Dropping()
-        with pytest.raises(processes.Interrupted) as stopped:
-            processes.stop_if_signalled()
+        with pytest.raises(signals.Interrupted) as stopped:
+            signals.stop_if_signalled()
     assert stopped.value.signum == signal.SIGTERM
-    processes.stop_if_signalled()  # the next sweep in this process starts afresh
+    signals.stop_if_signalled()  # the next sweep in this process starts afresh
 
 
 @pytest.mark.parametrize("backend", ["optuna", "optuna+postgres"])

@@ -14,7 +14,7 @@ import pytest
 from support import hpsweep_cli, write_space
 
 from hpsweep import runs
-from hpsweep.search.backends._study_ledger import StudyLedger
+from hpsweep.search.backends._optuna._study_ledger import StudyLedger
 from hpsweep.search.ledger import Ledger
 from hpsweep.search.ledger_base import Claim, LedgerSession, TrialLedger, Verdict
 from hpsweep.trial import Trial

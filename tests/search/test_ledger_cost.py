@@ -22,11 +22,11 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from support import write_space
 
 import hpsweep
-from hpsweep.search.backends import _study_ledger
-from hpsweep.search.backends._optuna import OptunaBackend, shared_database
-from hpsweep.search.backends._patient import PatientStorage
-from hpsweep.search.backends._storages import parse_storage
-from hpsweep.search.backends._study_ledger import (
+from hpsweep.search.backends._optuna import _study_ledger
+from hpsweep.search.backends._optuna._backend import OptunaBackend, shared_database
+from hpsweep.search.backends._optuna._retrying_storage import RetryingStorage
+from hpsweep.search.backends._optuna._storages import parse_storage
+from hpsweep.search.backends._optuna._study_ledger import (
     BEAT,
     FAIL_REASON,
     UNNEEDED,
@@ -122,10 +122,10 @@ class _Probe(SweepCallback):
 
 
 def _counting_reads(reads: Counter[str]) -> Any:
-    """`PatientStorage.get_all_trials`, counting the calls hpsweep's own code makes."""
-    plain = PatientStorage.get_all_trials
+    """`RetryingStorage.get_all_trials`, counting the calls hpsweep's own code makes."""
+    plain = RetryingStorage.get_all_trials
 
-    def get_all_trials(self: PatientStorage, *args: Any, **kwargs: Any) -> Any:
+    def get_all_trials(self: RetryingStorage, *args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         reads["hpsweep" if caller.startswith("hpsweep.") else "optuna"] += 1
         return plain(self, *args, **kwargs)
@@ -156,7 +156,7 @@ def sweeps(pg, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Swee
         mp.setattr(_study_ledger, "HEARTBEAT_S", 3600)
         mp.setattr(_study_ledger, "PUBLISH_S", 3600)
         reads: Counter[str] = Counter()
-        mp.setattr(PatientStorage, "get_all_trials", _counting_reads(reads))
+        mp.setattr(RetryingStorage, "get_all_trials", _counting_reads(reads))
         for name, already in ALREADY.items():
             url = pg.create_database(f"cost_{name}")
             _filled(url, already)

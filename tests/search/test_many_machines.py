@@ -26,7 +26,7 @@ from support.postgres import PASSWORD
 from support.sweep_invariants import wait_for
 
 from hpsweep import runs
-from hpsweep.search.backends._study_ledger import BEAT, UNNEEDED, run_again
+from hpsweep.search.backends._optuna._study_ledger import BEAT, UNNEEDED, run_again
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -16,8 +16,8 @@ from support.tiny_model import FourClassNet, four_class_rows
 
 import hpsweep
 from hpsweep import runs
-from hpsweep.search.backends._optuna import OptunaTrial
-from hpsweep.search.reporter import TrialReporter
+from hpsweep.search.backends._optuna._backend import OptunaTrial
+from hpsweep.search.trial_reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments
 
 

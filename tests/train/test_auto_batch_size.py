@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import hpsweep
-import hpsweep.train.transformers_args
+import hpsweep.train.hf_compat.args
 from hpsweep import runs
 from hpsweep.train.arguments import TrainingArguments
 
@@ -134,7 +134,7 @@ def test_an_evaluation_out_of_memory_names_the_eval_batch_and_is_not_retried(
 def test_a_transformers_args_with_it_converts() -> None:
     import transformers
 
-    args = hpsweep.train.transformers_args.as_training_arguments(
+    args = hpsweep.train.hf_compat.args.as_training_arguments(
         transformers.TrainingArguments(
             "out", auto_find_batch_size=True, per_device_train_batch_size=32
         )

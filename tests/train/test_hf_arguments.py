@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import hpsweep
+import hpsweep.train.hf_compat.args
 import hpsweep.train.optim
-import hpsweep.train.transformers_args
 from hpsweep import TrainingArguments, UserError
 from hpsweep.train.arguments import apply_params
 from hpsweep.train.optim import create_optimizer
@@ -406,7 +406,7 @@ def test_optim_args_build_the_optimizer_transformers_builds(optim: str, optim_ar
     model = Net()
     theirs_cls, theirs_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(hf_args, model)
     ours_cls, ours_kwargs = hpsweep.Trainer.get_optimizer_cls_and_kwargs(
-        hpsweep.train.transformers_args.as_training_arguments(hf_args), model
+        hpsweep.train.hf_compat.args.as_training_arguments(hf_args), model
     )
     assert ours_cls is theirs_cls
     ours, theirs = (

@@ -1,6 +1,6 @@
 """Every field of the installed ``transformers.TrainingArguments``: known to hpsweep, accepted at
 its default (as a keyword and in a converted transformers instance), and at another value honoured,
-mapped, accepted or refused in one line as ``hpsweep.train.hf_fields.FIELDS`` says, which the
+mapped, accepted or refused in one line as ``hpsweep.train.hf_compat.fields.FIELDS`` says, which the
 table in docs/huggingface.md shows."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import nn
 
 import hpsweep
 from hpsweep import TrainingArguments, UserError
-from hpsweep.train import hf_fields
-from hpsweep.train.hf_fields import ACCEPTED, FIELDS, HONOURED, MAPPED, REFUSED
+from hpsweep.train.hf_compat import fields as hf_fields
+from hpsweep.train.hf_compat.fields import ACCEPTED, FIELDS, HONOURED, MAPPED, REFUSED
 
 HF_PAGE = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 THEIRS = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
@@ -53,7 +53,7 @@ def fates(fate: str) -> list[str]:
 def test_every_transformers_field_is_known_to_hpsweep_with_its_default() -> None:
     unknown = sorted(set(THEIRS) - OURS - set(FIELDS))
     assert not unknown, (
-        f"add these transformers fields to hpsweep.train.hf_fields.FIELDS: {unknown}"
+        f"add these transformers fields to hpsweep.train.hf_compat.fields.FIELDS: {unknown}"
     )
     for name, (fate, default, why) in FIELDS.items():
         assert (name in OURS) == (fate in (HONOURED, MAPPED)), name
@@ -156,8 +156,8 @@ def test_a_refused_field_in_a_transformers_instance_is_one_line(tmp_path: Path, 
 
 def test_the_docs_field_table_is_the_code_table() -> None:
     assert hf_fields.markdown_table() in HF_PAGE.read_text(), (
-        "docs/huggingface.md's table of transformers fields differs from hpsweep.train.hf_fields.FIELDS; "
-        "paste the output of `python -m hpsweep.train.hf_fields` in its place"
+        "docs/huggingface.md's table of transformers fields differs from hpsweep.train.hf_compat.fields.FIELDS; "
+        "paste the output of `python -m hpsweep.train.hf_compat.fields` in its place"
     )
 
 

@@ -14,7 +14,7 @@ from support.hf_models import Net, accuracy, args, rows, tiny_gpt2
 from torch import nn
 
 import hpsweep
-import hpsweep.train.transformers_args
+import hpsweep.train.hf_compat.args
 from hpsweep import UserError
 
 
@@ -744,7 +744,7 @@ def test_neftune_noises_the_embeddings_while_training_and_only_then(tmp_path: Pa
             args=args(tmp_path / "net", neftune_noise_alpha=alpha),
             train_dataset=rows(32, 1),
         ).train()
-    converted = hpsweep.train.transformers_args.as_training_arguments(
+    converted = hpsweep.train.hf_compat.args.as_training_arguments(
         transformers.TrainingArguments("out", neftune_noise_alpha=alpha)
     )
     assert converted.neftune_noise_alpha == alpha  # no longer refused

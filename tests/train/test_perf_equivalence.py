@@ -29,7 +29,7 @@ from torch import nn
 
 import hpsweep
 from hpsweep import runs
-from hpsweep.search.reporter import TrialReporter
+from hpsweep.search.trial_reporter import TrialReporter
 from hpsweep.train.arguments import TrainingArguments
 from hpsweep.train.data import BatchedTensors, default_data_collator
 

@@ -31,7 +31,7 @@ class Backend:
     share this interface:
 
     - **Ask/tell backends** (Optuna; W&B without a server) implement `ask` and `tell`. The search
-      layer's loop (`hpsweep.search.loop`) runs the trials, here and in ``--n-jobs`` worker
+      layer's loop (`hpsweep.search.sweep_loop`) runs the trials, here and in ``--n-jobs`` worker
       processes: the ledger's claim (`TrialLedger.next_trial`) reaps, claims a lease (a trial to
       run again or a new one), asks the backend and binds the lease to the trial; then the loop
       trains the trial, tells the backend how it ended and releases the lease.
@@ -159,7 +159,7 @@ class Backend:
     def ledger(self) -> TrialLedger:
         """The sweep's ledger: by default files under the output folder (one machine, or a folder
         machines share); a backend whose study lives in a database machines share returns the
-        study's own (`hpsweep.search.backends._study_ledger.StudyLedger`)."""
+        study's own (`hpsweep.search.backends._optuna._study_ledger.StudyLedger`)."""
         return Ledger(self.settings.output_dir, self.settings.n_trials)
 
     def progress_counts(self) -> Callable[[], Counts] | None:

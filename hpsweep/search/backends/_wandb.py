@@ -46,9 +46,9 @@ from hpsweep.errors import TrialFailed, TrialPruned, UserError
 from hpsweep.search.backends._base import Backend
 from hpsweep.search.ledger import FolderSession, Ledger
 from hpsweep.search.ledger_base import Claim, Verdict
-from hpsweep.search.loop import WAIT_S
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
+from hpsweep.search.sweep_loop import WAIT_S
 from hpsweep.trial import Trial, training_step
 
 SWEEP_FILE = "wandb_sweep.json"

@@ -13,7 +13,7 @@ import optuna
 from support import hpsweep_cli, load_sweep_study
 
 from hpsweep import runs
-from hpsweep.search.backends._journal import JournalLock
+from hpsweep.search.backends._optuna._journal import JournalLock
 
 
 def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(
@@ -35,7 +35,7 @@ def test_an_append_cut_short_is_dropped_and_the_same_command_goes_on(
 HOLD = """
 import sys, time
 from pathlib import Path
-from hpsweep.search.backends._journal import JournalLock
+from hpsweep.search.backends._optuna._journal import JournalLock
 JournalLock(Path(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(600)

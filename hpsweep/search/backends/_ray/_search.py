@@ -105,7 +105,7 @@ def search_algorithm(
         return VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
     import optuna
 
-    from hpsweep.search.backends._optuna import OptunaTrial
+    from hpsweep.search.backends._optuna._backend import OptunaTrial
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     space: Callable[[Any], None] | None = None

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from hpsweep import devices
-from hpsweep.devices.processes import (
+from hpsweep.devices.signals import (
     die_with_parent,
     forget_signals,
     raise_interrupted,
@@ -52,7 +52,7 @@ WAIT_S = 0.5
 RESTARTS_PER_WORKER = 3  # dead workers replaced per --n-jobs slot before the command gives up
 
 
-class TrialLoop:
+class SweepLoop:
     """Runs trials until the ledger has ``n_trials`` finished, the timeout passes, or
     ``max_failed_trials`` trials of this command failed.
 
@@ -159,7 +159,7 @@ class TrialLoop:
 
 
 class _Supervisor:
-    def __init__(self, loop: TrialLoop, backend: Backend, placement: devices.Placement) -> None:
+    def __init__(self, loop: SweepLoop, backend: Backend, placement: devices.Placement) -> None:
         self.loop = loop
         self.backend = backend
         self.placement = placement
@@ -263,7 +263,7 @@ class _Supervisor:
 
 
 def _worker_main(
-    loop: TrialLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement
+    loop: SweepLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement
 ) -> None:
     """One ``--n-jobs`` worker: the loop, with the command's death and SIGTERM as interrupts."""
     parent = os.getppid()

@@ -21,7 +21,7 @@ from hpsweep.errors import UserError
 from hpsweep.runs import read_json, write_json
 from hpsweep.train import optim
 from hpsweep.train.callbacks import CallbackHandler, TrainerCallback
-from hpsweep.train.transformers_args import as_training_arguments
+from hpsweep.train.hf_compat.args import as_training_arguments
 
 
 class TransformersTrainerAPI:

@@ -16,8 +16,8 @@ from hpsweep import runs
 from hpsweep.train.accelerator import bare_model
 from hpsweep.train.arguments import TrainingArguments
 from hpsweep.train.callbacks import CallbackHandler, TrainerState
+from hpsweep.train.hf_compat.components import save_processing_class
 from hpsweep.train.run_state import LoopTrainer, RunState
-from hpsweep.train.transformers_components import save_processing_class
 
 
 class Checkpointing:

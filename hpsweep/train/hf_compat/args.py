@@ -1,5 +1,5 @@
 """A ``transformers.TrainingArguments`` as ours: each field we share is copied by name, a field we
-lack is taken or refused as `hpsweep.train.hf_fields.FIELDS` says.
+lack is taken or refused as `hpsweep.train.hf_compat.fields.FIELDS` says.
 Nothing here imports transformers; its instances are recognised by their class's module.
 
     >>> args = as_training_arguments(transformers.TrainingArguments("out", learning_rate=1e-3))
@@ -14,8 +14,8 @@ import functools
 from typing import Any
 
 from hpsweep.errors import UserError
-from hpsweep.train import hf_fields
 from hpsweep.train.arguments import TrainingArguments, field_types
+from hpsweep.train.hf_compat import fields as hf_fields
 
 
 def is_transformers_args(obj: Any) -> bool:

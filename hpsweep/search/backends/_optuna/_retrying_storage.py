@@ -1,7 +1,7 @@
 """A study's database that may go away for a while: every call waits for it to come back.
 
 A restart or failover of the database (seconds to a few minutes) must pause a sweep, not end it
-(docs/many-machines.md). `PatientStorage` wraps the Optuna storage a worker uses; a call
+(docs/many-machines.md). `RetryingStorage` wraps the Optuna storage a worker uses; a call
 that finds the database unreachable says so once, in one line, and tries again every second until
 it answers or `PATIENCE_S` pass. Everything else is Optuna's: the wrapper adds no caching and
 changes no call.
@@ -60,7 +60,7 @@ def unreachable(exc: BaseException | None) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
-class PatientStorage(BaseStorage, BaseHeartbeat):
+class RetryingStorage(BaseStorage, BaseHeartbeat):
     """``inner`` (an Optuna storage), waiting out the database's absences.
 
     Args:
@@ -143,7 +143,7 @@ class PatientStorage(BaseStorage, BaseHeartbeat):
 
 
 def _patient(name: str) -> Any:
-    def call(self: PatientStorage, *args: Any, **kwargs: Any) -> Any:
+    def call(self: RetryingStorage, *args: Any, **kwargs: Any) -> Any:
         return self._call(name, args, kwargs)
 
     call.__name__ = name
@@ -152,7 +152,7 @@ def _patient(name: str) -> Any:
 
 def _heartbeat_call(name: str) -> Any:
     # Optuna's storage proxy has no heartbeat: then the wrapper has none either
-    def call(self: PatientStorage, *args: Any, **kwargs: Any) -> Any:
+    def call(self: RetryingStorage, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(self._inner, BaseHeartbeat):
             return None
         return self._call(name, args, kwargs)
@@ -162,7 +162,7 @@ def _heartbeat_call(name: str) -> Any:
 
 
 for _name in (*sorted(BaseStorage.__abstractmethods__), *_SHORTCUTS):
-    setattr(PatientStorage, _name, _patient(_name))
+    setattr(RetryingStorage, _name, _patient(_name))
 for _name in _HEARTBEAT_CALLS:
-    setattr(PatientStorage, _name, _heartbeat_call(_name))
-PatientStorage.__abstractmethods__ = frozenset()
+    setattr(RetryingStorage, _name, _heartbeat_call(_name))
+RetryingStorage.__abstractmethods__ = frozenset()

@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial
 
 from hpsweep.errors import UserError, did_you_mean
 from hpsweep.redaction import describe, redact_url
-from hpsweep.search.backends._journal import journal_storage
+from hpsweep.search.backends._optuna._journal import journal_storage
 
 #: The study of a sweep folder: Optuna's journal file (an append-only log of the study's changes).
 STUDY_FILE = "study.journal"
@@ -222,7 +222,7 @@ def _sql(
     """The study's tables, created if missing, then one connection for this process. It is not
     pinged before each use (a round trip per transaction): a database restarted under a long
     sweep fails the next call on the old connection, which SQLAlchemy then drops, and the
-    worker's `PatientStorage` makes the call again on a fresh one."""
+    worker's `RetryingStorage` makes the call again on a fresh one."""
     connect: dict[str, Any] = {}
     if parsed.url.startswith("postgresql") and "connect_timeout" not in parse_qs(
         urlsplit(parsed.url).query

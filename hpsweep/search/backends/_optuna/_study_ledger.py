@@ -52,7 +52,7 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
   from outside stops at its next report, is recorded failed and is not run again;
   it does not count, so another takes its place.
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
-  (`hpsweep.search.backends._patient`); a machine that waited does not judge others' heartbeats
+  (`hpsweep.search.backends._optuna._retrying_storage`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
 - **Home.** The study remembers the sweep's home (``--output-dir``); a command that names
   another is refused before anything is written (`check_home`).
@@ -191,7 +191,7 @@ class Heartbeat:
 @runtime_checkable
 class StudyBackend(Protocol):
     """What the study's ledger needs of the backend whose study it keeps
-    (`hpsweep.search.backends._optuna.OptunaBackend`), besides asking and abandoning trials."""
+    (`hpsweep.search.backends._optuna._backend.OptunaBackend`), besides asking and abandoning trials."""
 
     #: The study this worker process opened (None before `open`).
     study: optuna.Study | None

@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 
 from hpsweep.errors import EndedOutside, TakenOver, UserError
 from hpsweep.search.backends._base import Backend
-from hpsweep.search.backends._storages import (
+from hpsweep.search.backends._optuna._storages import (
     OPEN_TRIES,
     StorageSpec,
     cause,
@@ -40,7 +40,7 @@ from hpsweep.search.backends._storages import (
     retryable,
     storage_error,
 )
-from hpsweep.search.backends._study_ledger import (
+from hpsweep.search.backends._optuna._study_ledger import (
     AGAIN_ID,
     AGAIN_NUMBER,
     GRACE_S,
@@ -54,11 +54,11 @@ from hpsweep.search.backends._study_ledger import (
 )
 from hpsweep.search.ledger_base import TrialLedger
 from hpsweep.search.options import SearchOptions
-from hpsweep.search.reporter import CHECKPOINT, MLFLOW_RUN_ID, RUN_DIR
 from hpsweep.search.space import Distribution, Float, Int
+from hpsweep.search.trial_reporter import CHECKPOINT, MLFLOW_RUN_ID, RUN_DIR
 from hpsweep.trial import Trial, training_step
 
-#: What a trial learns while it runs (`Trial.user_attrs`, from `hpsweep.search.reporter` and the
+#: What a trial learns while it runs (`Trial.user_attrs`, from `hpsweep.search.trial_reporter` and the
 #: MLflow tracker) and the study's user attribute each is shown under: what optuna-dashboard, the
 #: ``optuna`` command line and ``load_study`` show of where the trial's files and runs are.
 LINKS = {
@@ -606,11 +606,11 @@ def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | 
 def shared_database(parsed: StorageSpec) -> optuna.storages.BaseStorage:
     """The storage of a study in a database that machines share (`._storages`), with Optuna's
     heartbeat on where the storage has one, and calls that wait out the database's absences."""
-    from hpsweep.search.backends._patient import PatientStorage
+    from hpsweep.search.backends._optuna._retrying_storage import RetryingStorage
 
     storage = open_storage(
         parsed,
         heartbeat_interval=HEARTBEAT_S,
         grace_period=GRACE_S,
     )
-    return PatientStorage(optuna.storages.get_storage(storage), parsed.label)
+    return RetryingStorage(optuna.storages.get_storage(storage), parsed.label)

@@ -20,14 +20,14 @@ import optuna
 
 from hpsweep import runs
 from hpsweep.errors import UserError
-from hpsweep.search.backends._storages import (
+from hpsweep.search.backends._optuna._storages import (
     StorageSpec,
     cause,
     open_storage,
     parse_storage,
     storage_error,
 )
-from hpsweep.search.backends._study_ledger import HOME
+from hpsweep.search.backends._optuna._study_ledger import HOME
 from hpsweep.search.checks import STUDY_FILE
 
 #: optuna-dashboard's own default port.
