@@ -69,3 +69,74 @@ def test_every_module_belongs_to_a_side() -> None:
     assert top <= set(LAYERS), (
         f"{sorted(top - set(LAYERS))} belong to no side: see docs/architecture.md"
     )
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The hpsweep modules ``path`` imports when it is imported, or type-checked: its top level,
+    including ``if TYPE_CHECKING:`` and ``try:`` blocks and class bodies; not function bodies,
+    which import when they run."""
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpsweep"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)  # type: ignore[arg-type]
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            for field in ("body", "orelse", "handlers", "finalbody"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    visit(inner)
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def test_no_import_circle_even_counting_type_checking_imports() -> None:
+    graph = {module_name(p): module_level_imports(p) for p in PACKAGE.rglob("*.py")}
+    for start in graph:
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            module, path = todo.pop()
+            for target in graph[module] - {module}:
+                assert target != start, " -> ".join((*path, target))
+                if target not in seen:
+                    seen.add(target)
+                    todo.append((target, (*path, target)))
+
+
+def private_members(path: Path) -> set[str]:
+    """The ``_private`` methods and attributes that the classes of ``path`` define."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store):
+                    names.add(item.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_train_and_devices_reach_into_no_other_modules_private_members() -> None:
+    """A training run's pieces talk through what each class offers: no module of ``train/`` or
+    ``devices/`` uses a ``_private`` member that only another module's classes define."""
+    everywhere = {module_name(p): private_members(p) for p in PACKAGE.rglob("*.py")}
+    reaches = []
+    for side in ("train", "devices"):
+        for path in (PACKAGE / side).rglob("*.py"):
+            own = everywhere[module_name(path)]
+            others = set().union(*(v for k, v in everywhere.items() if k != module_name(path)))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in others - own
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                ):
+                    reaches.append(f"{module_name(path)}:{node.lineno} {ast.unparse(node)}")
+    assert reaches == []

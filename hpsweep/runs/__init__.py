@@ -15,9 +15,10 @@ Layout (``DIR`` is ``--output-dir``)::
 Every file and folder is written under a temporary name and renamed into place, so a crash
 leaves either the old version or the new one, never half of one. One responsibility a private
 module, re-exported here: `_atomic` (atomic files and folders), `_checkpoint_files` (checkpoint
-folders and RNG state), `_records` (run folders, ``trial.json``, ``best/``), `_model_folder`
-(what of a checkpoint ``best/`` holds, and its model card), `_index` (the
-records kept in memory for the ledger). `home` (public: `open_home`) is the sweep's home, a
+folders and RNG state), `_records` (run folders, ``trial.json``, the `BestRun` and the Pareto
+front), `_best` (``best_run.json`` and ``best/`` as trials end), `_model_folder` (what of a
+checkpoint ``best/`` holds, and its model card), `_index` (the records kept in memory for the
+ledger). `home` (public: `open_home`) is the sweep's home, a
 local folder or an object-store URL, and what is uploaded there when.
 """
 
@@ -28,6 +29,7 @@ from hpsweep.runs._atomic import (
     write_json,
     write_text,
 )
+from hpsweep.runs._best import promote_if_best, settle_front
 from hpsweep.runs._checkpoint_files import (
     CHECKPOINT_PREFIX,
     SCALER_FILE,
@@ -73,12 +75,10 @@ from hpsweep.runs._records import (
     front_with,
     is_better,
     params_json,
-    promote_if_best,
     read_best,
     read_trials,
     run_dir_for,
     safe_name,
-    settle_front,
 )
 from hpsweep.runs.home import Home, RemoteHome, open_home
 

@@ -408,8 +408,8 @@ def _fit_groups(
     """Fit a checkpoint's param groups to the optimizer's (``sizes``: its groups' param counts)
     when only their split differs. hpsweep makes one group without weight decay and two with it
     (decay, no decay), over the params in the same order, so a checkpoint written with the other
-    split loads: one of hpsweep 0.1, which always made two, or a resume with another weight
-    decay (PBT's). Each group takes the settings of the saved group its first param was in (the
+    split loads: a resume with another weight decay (PBT's), or a checkpoint written with two
+    groups whatever the decay. Each group takes the settings of the saved group its first param was in (the
     resume then sets the weight decay it is run with), and the schedule's per-group lists follow."""
     saved = optimizer["param_groups"]
     flat = [i for g in saved for i in g["params"]]

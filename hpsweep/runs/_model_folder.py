@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpsweep.redaction import scrub
 from hpsweep.runs._checkpoint_files import MODEL_CLASS_KEY, SCALER_FILE
+from hpsweep.runs._records import BestRun
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
-
-    from hpsweep.runs._records import BestRun
 
 #: Files of a checkpoint that are training state, not the model: never in ``best/``, never pushed.
 TRAINING_STATE = frozenset(

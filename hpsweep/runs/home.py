@@ -47,6 +47,7 @@ from typing import Any
 from hpsweep import faults
 from hpsweep.errors import UserError
 from hpsweep.runs._atomic import _json_default, atomic_dir, read_json, write_json
+from hpsweep.runs._best import promote_if_best, settle_front
 from hpsweep.runs._checkpoint_files import CHECKPOINT_PREFIX, checkpoints
 from hpsweep.runs._model_folder import (
     ARGS_FILE,
@@ -69,9 +70,7 @@ from hpsweep.runs._records import (
     best_records,
     front_after,
     is_better,
-    promote_if_best,
     safe_name,
-    settle_front,
 )
 
 #: In an uploaded checkpoint folder, written after all its files: the checkpoint is whole.

@@ -42,7 +42,8 @@ EVENTS = (
     "on_train_end",
     "on_predict",
 )
-#: Other names an event answers to: hpsweep 0.1 called transformers' on_pre_optimizer_step so.
+#: Other names an event answers to, so that callbacks written against either name run:
+#: transformers' ``on_pre_optimizer_step`` is also called ``on_before_optimizer_step``.
 ALIASES = {"on_pre_optimizer_step": ("on_before_optimizer_step",)}
 
 
