@@ -28,7 +28,8 @@ def run(
     Arguments are resolved command line > ``config`` file > the space file's ``args``. Other
     keyword options go to `Trainer.hyperparameter_search` (``timeout``, ``n_jobs``, ``sampler``,
     ``pruner``, ``scheduler``, ``storage``, ``resume``, ``seed``, ``address``,
-    ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``).
+    ``resources_per_trial``, ``processes_per_trial``, ``sweep_callbacks``, ``warm_start``,
+    ``warm_start_best``: docs/warm-start.md; ``stop_when``: docs/stopping.md).
     """
     asked = SearchOptions.from_keywords(
         backend=backend, n_trials=n_trials, study_name=study_name, **options

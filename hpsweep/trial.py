@@ -31,7 +31,7 @@ class Trial:
 
     backend: str = "none"
     #: The backend's own handle on the trial (JSON-able), kept in its lease so that a trial whose
-    #: process died can be closed in the backend's records (`Backend.abandon`).
+    #: process died can be closed in the searcher's records (`AskTellSearcher.abandon`).
     ref: Any = None
     #: Whether ``suggest_*`` may add new params while the trial runs (define-by-run).
     define_by_run: bool = False

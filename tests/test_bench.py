@@ -31,6 +31,14 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["--rounds", "1", "--seeds", "1", "--variants", "hpsweep,hand"],
         ["| hpsweep |", "| hand |"],
     ),
+    "warm_start.py": (
+        ["--tasks", "wine", "--seeds", "1", "--first-trials", "3", "--trials", "2"],
+        ["| wine | 0 |"],
+    ),
+    "stopping.py": (
+        ["--tasks", "wine", "--seeds", "1", "--n-trials", "2"],
+        ["| regret |", "| plateau |"],
+    ),
     "time_to_target.py": (
         [
             "--tasks",

@@ -51,6 +51,7 @@ def _add_run(sub: Any) -> None:
         "space_file", help="a .py file defining model_init, args, space, train_dataset, ..."
     )
     _add_search_options(run.add_argument_group("the search"))
+    _add_stopping_options(run.add_argument_group("stopping early"))
     _add_device_options(run.add_argument_group("where trials run"))
     _add_arguments_options(run.add_argument_group("training arguments"))
     _add_tracking_options(run.add_argument_group("tracking and publishing"))
@@ -103,6 +104,29 @@ def _add_search_options(group: Any) -> None:
         default=DEFAULTS.max_failed_trials,
         help="end the sweep after this many failed trials in one run "
         f"(default {DEFAULTS.max_failed_trials})",
+    )
+    group.add_argument(
+        "--warm-start",
+        metavar="HOME",
+        help="begin from an earlier sweep's finished trials (its folder or s3://... / gs://..., "
+        "any backend), given to the backend as evaluated; they do not count towards --n-trials",
+    )
+    group.add_argument(
+        "--warm-start-best",
+        type=int,
+        metavar="K",
+        help="with --warm-start: train the earlier sweep's K best configs again first (they count)",
+    )
+
+
+def _add_stopping_options(group: Any) -> None:
+    group.add_argument(
+        "--stop-when",
+        metavar="RULE",
+        help="end the sweep before --n-trials when more trials will not help: plateau[:N[:TOL]] "
+        "(no gain over the best by more than TOL in the last N trials; default 10, 0), "
+        "target:VALUE (the objective reached), regret (the room for improvement below the "
+        "objective's noise); none: go on past a stop recorded earlier",
     )
 
 
@@ -382,10 +406,12 @@ def cmd_show(ns: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hpsweep import runs
+    from hpsweep.search.warm_start import read_taken
 
     with sweep_folder(ns.dir) as (folder, home):
         records = runs.read_trials(folder)
         best = runs.read_best(folder)
+        taken = read_taken(folder)  # --warm-start's trials: shown marked, after the sweep's own
     name = home.url if home.remote else Path(ns.dir)
     if not records:
         raise UserError(
@@ -393,9 +419,12 @@ def cmd_show(ns: argparse.Namespace) -> int:
         )
     best_ids = {b.run_id for b in (best if isinstance(best, list) else [best] if best else [])}
     if ns.json:
+        warm = [{**t, "warm_start": taken["home"]} for t in (taken or {}).get("trials", [])]
         print(
             json.dumps(
-                [{**asdict(r), "best": r.id in best_ids} for r in records], indent=2, default=str
+                [{**asdict(r), "best": r.id in best_ids} for r in records] + warm,
+                indent=2,
+                default=str,
             )
         )
         return 0
@@ -419,13 +448,28 @@ def cmd_show(ns: argparse.Namespace) -> int:
             Path(r.run_dir).name + mark,
             r.state,
             objective,
-            ", ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.params.items()
-            ),
+            _params_text(r.params),
             f"{r.duration_s:.1f}s" if r.duration_s is not None else "",
         )
+    for w in (taken or {}).get("trials", []):
+        table.add_row(
+            f"w{w['number']}",
+            "warm start",
+            w["state"],
+            "" if w["value"] is None else json.dumps(w["value"]),
+            _params_text(w["params"]),
+            "",
+        )
+    if taken:
+        table.caption = f"w<N>: trial N of {taken['home']}, given as evaluated (--warm-start)"
     Console().print(table)
     return 0
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

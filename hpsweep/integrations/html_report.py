@@ -22,6 +22,7 @@ from typing import Any
 
 from hpsweep import runs
 from hpsweep.errors import UserError
+from hpsweep.search.warm_start import read_taken
 from hpsweep.train.metrics import SPEED_SUFFIXES
 
 REPORT_FILE = "report.html"
@@ -40,7 +41,7 @@ def write_report(output_dir: Path, path: Path | None = None, *, name: str | None
             f"{name or output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
         )
     best = runs.read_best(output_dir)
-    page = render(name or str(output_dir.resolve()), records, best)
+    page = render(name or str(output_dir.resolve()), records, best, read_taken(output_dir))
     path = path or output_dir / REPORT_FILE
     runs.write_text(path, page)
     return path
@@ -188,7 +189,14 @@ def _why_not(pid: str, study: Any) -> str | None:
     return None
 
 
-def render(home: str, records: Sequence[runs.TrialRecord], best: Any) -> str:
+def render(
+    home: str,
+    records: Sequence[runs.TrialRecord],
+    best: Any,
+    taken: dict[str, Any] | None = None,
+) -> str:
+    """The page; ``taken``: the sweep's warm start (`hpsweep.search.warm_start.read_taken`),
+    whose trials the table lists after the sweep's own, marked, and the plots leave out."""
     study = build_study(records)
     objective_name = records[0].objective_name
     sections, first = [], True
@@ -216,10 +224,11 @@ def render(home: str, records: Sequence[runs.TrialRecord], best: Any) -> str:
         summary=html.escape(
             f"{len(records)} trials ({summary}); backend {backend}; objective {objective_name} "
             f"({', '.join(records[0].directions)}); written {time.strftime('%Y-%m-%d %H:%M')}"
+            + (f"; warm-started from {taken['home']}" if taken else "")
         ),
         best=best_html(best),
         plots="\n".join(sections),
-        table=trial_table(records, best),
+        table=trial_table(records, best) + warm_table(taken, records),
     )
 
 
@@ -270,6 +279,37 @@ def trial_table(records: Sequence[runs.TrialRecord], best: Any) -> str:
     return f'<table class="trials"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
+def warm_table(taken: dict[str, Any] | None, records: Sequence[runs.TrialRecord]) -> str:
+    """The warm start's trials (``--warm-start``): given to the search as evaluated, never run here."""
+    if not taken or not taken["trials"]:
+        return ""
+    names = sorted({k for t in taken["trials"] for k in t["params"]})
+    head = "".join(
+        f"<th>{html.escape(h)}</th>"
+        for h in ["earlier #", "state", records[0].objective_name, *names, "evaluations"]
+    )
+    rows = []
+    for t in taken["trials"]:
+        cells = [
+            str(t["number"]),
+            t["state"],
+            _fmt(t["value"]),
+            *(_fmt(t["params"].get(k, "")) for k in names),
+            str(len(t["intermediate"])),
+        ]
+        row = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        rows.append(f'<tr class="warm">{row}</tr>')
+    caption = (
+        f"Warm start: {len(rows)} trials of {taken['home']}, given to the search as evaluated "
+        f"({taken['outside']} of its {taken['of']} lay outside this space)"
+    )
+    return (
+        f"<h3>{html.escape(caption)}</h3>"
+        f'<table class="trials warm"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
@@ -287,7 +327,7 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px;
 h1 {{ font-size: 1.5em; }} h2 {{ border-bottom: 1px solid #ddd; padding-bottom: .2em; }}
 table {{ border-collapse: collapse; font-size: .9em; }} td, th {{ border: 1px solid #ddd; padding: .25em .6em; }}
 table.trials th {{ background: #f4f4f4; }} tr.best td {{ font-weight: bold; background: #eaf7ea; }}
-tr.pruned td {{ color: #8a6d00; }} tr.failed td, tr.stopped td {{ color: #b00; }}
+tr.pruned td {{ color: #8a6d00; }} tr.warm td {{ color: #555; font-style: italic; }} tr.failed td, tr.stopped td {{ color: #b00; }}
 table.kv th {{ text-align: left; background: #f8f8f8; }} .note {{ color: #777; font-style: italic; }}
 </style></head>
 <body>

@@ -23,7 +23,17 @@ BEST_FILE = "best_run.json"
 STATES = ("running", "complete", "pruned", "failed", "stopped")
 MAX_NAME = 100
 #: Names hpsweep itself uses at the top of a sweep folder; a run named so would clobber them.
-RESERVED = {BEST_DIR, BEST_FILE, "report.html", "wandb_sweep.json", "wandb", "mlruns", "mlflow.db"}
+RESERVED = {
+    BEST_DIR,
+    BEST_FILE,
+    "report.html",
+    "wandb_sweep.json",
+    "wandb",
+    "mlruns",
+    "mlflow.db",
+    "warm_start.json",
+    "stopping.json",
+}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _T = TypeVar("_T")

@@ -76,8 +76,17 @@ from hpsweep.runs._records import (
 #: In an uploaded checkpoint folder, written after all its files: the checkpoint is whole.
 COMPLETE = ".complete"
 ERROR_FILE = "error.log"
-#: URL scheme -> (the fsspec package that serves it, the hpsweep extra that installs it).
-SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+#: Records at the top of a home that `hpsweep show` and `hpsweep report` read beside the trials':
+#: the trials ``--warm-start`` took.
+TOP_RECORDS = ("warm_start.json",)
+#: URL scheme -> (the fsspec package that serves it, the hpsweep extra that installs it). ``file``
+#: serves a Ray trial's folder in Ray's storage on a mount (`RemoteHome` with its own ``local``).
+SCHEMES = {
+    "s3": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "file": ("fsspec", "ray"),
+}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -140,17 +149,19 @@ class RemoteHome(Home):
     """A home in an object store, with a staging folder on this machine (see the module's docstring).
 
     Picklable: worker processes and nodes get it with the sweep's job and open their own client.
+    ``local``: this machine's folder for it, instead of the staging folder.
     """
 
     remote = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, local: Path | None = None) -> None:
         self.scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
-        self.root = url[len(self.scheme) + 3 :].strip("/")
+        path = url[len(self.scheme) + 3 :].strip("/")
+        self.root = f"/{path}" if self.scheme == "file" else path
         self.url = f"{self.scheme}://{self.root}"
         self.bucket = self.root.split("/", 1)[0]
         self.endpoint = _endpoint() if self.scheme == "s3" else None
-        self.local = staging_folder(self.url, self.endpoint)
+        self.local = local if local is not None else staging_folder(self.url, self.endpoint)
         self._fs: Any = None
         self._fs_pid = 0
 
@@ -188,11 +199,14 @@ class RemoteHome(Home):
         self.fs.pipe_file(f"{remote}/{COMPLETE}", b"{}\n")
         self._drop_rotated(run_dir)
 
-    def _put_folder(self, folder: Path, remote: str) -> list[str]:
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
-        names = [p.relative_to(folder).as_posix() for p in files]
-        if files:
-            self.fs.put([str(p) for p in files], [f"{remote}/{n}" for n in names])
+    def _put_folder(self, folder: Path, remote: str, last: str | None = None) -> list[str]:
+        """``folder``'s files to ``remote``; ``last``: the one sent after all others."""
+        names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        first = [n for n in names if n != last]
+        if first:
+            self.fs.put([str(folder / n) for n in first], [f"{remote}/{n}" for n in first])
+        if last in names:
+            self.fs.put_file(str(folder / last), f"{remote}/{last}")
         return names
 
     def _drop_rotated(self, run_dir: Path) -> None:
@@ -223,7 +237,27 @@ class RemoteHome(Home):
         self.fs.put_file(str(path), f"{self.root}/{name}")
         return f"{self.url}/{name}"
 
+    def put_run(self, run_dir: Path, name: str) -> str:
+        """Replace the folder ``name`` at the home with the whole ``run_dir``, its ``trial.json``
+        last (whoever reads it finds the folder whole), as a Ray trial on a node without the
+        sweep's folder ships its run; returns the folder's path in the store."""
+        remote = f"{self.root}/{name}"
+        if self._find(remote):
+            self.fs.rm(remote, recursive=True)  # checkpoints rotated away since the last trip
+        self._put_folder(run_dir, remote, last=TRIAL_FILE)
+        return remote
+
     # --- downloads ---------------------------------------------------------------------------------
+
+    def get_run(self, name: str, dest: Path) -> None:
+        """The folder ``name`` at the home (`put_run`), swapped in whole at ``dest``."""
+        remote = f"{self.root}/{name}"
+        self._get_folder(self._find(remote), remote, dest)
+
+    def read_record(self, name: str) -> TrialRecord | None:
+        """The ``trial.json`` in the folder ``name`` at the home, if any."""
+        data = self._cat(f"{self.root}/{name}/{TRIAL_FILE}")
+        return None if data is None else TrialRecord.from_dict(_loads(data))
 
     def pull_run(self, run_name: str) -> Path:
         """Download what this machine lacks of the run: its complete checkpoints (each swapped into
@@ -249,11 +283,16 @@ class RemoteHome(Home):
             self.fs.get(wanted, [str(tmp / k[len(remote) + 1 :]) for k in wanted])
 
     def snapshot(self, dest: Path, checkpoints: bool = False) -> Path:
-        """Download every ``trial.json`` and ``best_run.json`` (and ``best/`` with ``checkpoints``)
-        into ``dest``; their paths stay the home's URLs."""
+        """Download every ``trial.json``, ``best_run.json`` and the sweep's other records at the
+        top (`TOP_RECORDS`; and ``best/`` with ``checkpoints``) into ``dest``; their paths stay
+        the home's URLs."""
         for name, data in self._records_raw().items():
             (dest / name).mkdir(parents=True, exist_ok=True)
             (dest / name / TRIAL_FILE).write_bytes(data)
+        for name in TOP_RECORDS:
+            data = self._cat(f"{self.root}/{name}")
+            if data is not None:
+                (dest / name).write_bytes(data)
         best = self._cat(f"{self.root}/{BEST_FILE}")
         if best is not None:
             (dest / BEST_FILE).write_bytes(best)
@@ -479,6 +518,8 @@ def _filesystem(scheme: str, *, probe: bool) -> Any:
             f"{scheme}:// homes need {package}; pip install 'hpsweep[{extra}]'"
         ) from None
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+    if scheme == "file":
+        options["auto_mkdir"] = True
     if scheme == "s3" and probe:
         options["config_kwargs"] = {"retries": {"max_attempts": 2}, "connect_timeout": 10}
     fs = cls(**options)

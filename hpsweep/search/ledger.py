@@ -17,6 +17,11 @@ Guarantees (docs/guarantees.md), whatever process or command runs the trials:
 - **Running again.** A trial recorded ``running`` whose lease is dead, or ``stopped`` (Ctrl-C,
   SIGTERM), is claimed before any new trial: the same trial (number, params, folder) runs again
   from its latest checkpoint, and its ``trial.json`` records ``resumed_from``.
+- **Stopping.** With ``--stop-when``, a new trial is claimed only while the sweep's rule has not
+  ended it (`FolderSession.stopped_by_rule`): judged under the lock when a trial finished since
+  the last claim, and recorded in ``DIR/stopping.json`` once it fires, so every worker and
+  command that shares ``DIR`` stops on that one decision; trials already running finish and
+  count, and trials waiting to run again still run.
 - **Failures.** `Ledger.failures_since` counts failed trials, so ``--max-failed-trials`` ends a
   command that keeps failing, while a later command (after the cause is fixed) runs what is missing.
 - **Reading.** The ledger keeps the records in memory (`runs.TrialIndex`), so a claim costs the
@@ -61,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsweep import runs
+from hpsweep.search import stopping
 from hpsweep.search.ledger_base import (
     Claim,
     Claimed,
@@ -198,6 +204,7 @@ class Ledger:
         self.n_trials = n_trials
         self.lease_dir = output_dir / LEASE_DIR
         self.index = runs.TrialIndex(output_dir)
+        self.judge = stopping.StopJudge(output_dir, n_trials)
         # how often an executor saw each trial's process die, in this command (see `settle`)
         self._lost: Counter[str] = Counter()
 
@@ -255,6 +262,17 @@ class Ledger:
     def finished(self) -> int:
         self.index.refresh()
         return self.index.count(*FINISHED)
+
+    def finished_in_order(self) -> list[stopping.Finished]:
+        """The finished (complete or pruned) trials in the order they finished, as a stopping rule
+        reads them."""
+        done = sorted(self.index.records(*FINISHED), key=lambda r: (r.finished_at or 0, r.number))
+        return [
+            stopping.Finished(
+                r.params, r.objective if r.state == "complete" else None, r.duration_s
+            )
+            for r in done
+        ]
 
     def failures_since(self, since: float) -> list[runs.TrialRecord]:
         """The trials that failed since ``since``, by number (`runs.TrialIndex.failed_since`:
@@ -355,12 +373,29 @@ class FolderSession(LedgerSession):
         self._held()
         live = len(self.ledger.live())
         self.ledger.index.refresh()
-        return self._needed(live, self.ledger.index.count(AGAIN))
+        needed = self._needed(live, self.ledger.index.count(AGAIN))
+        if (needed is None or needed > 0) and self.stopped_by_rule():
+            return 0
+        return needed
 
     def _needed(self, live: int, waiting: int) -> int | None:
         if self.ledger.n_trials is None:
             return None
         return self.ledger.n_trials - self.ledger.index.count(*FINISHED) - live - waiting
+
+    def stopped_by_rule(self) -> bool:
+        """Whether the sweep's stopping rule ended it (`hpsweep.search.stopping.StopJudge`): a
+        decision recorded in ``DIR/stopping.json``, or the rule firing now on the finished trials
+        (judged only when one finished since this process last judged). Ask it after `reap`."""
+        self._held()
+        ledger = self.ledger
+        folder = ledger.output_dir
+        return ledger.judge.stopped(
+            lambda: stopping.read_state(folder),
+            lambda state: stopping.write_state(folder, state),
+            lambda: ledger.index.count(*FINISHED),
+            ledger.finished_in_order,
+        )
 
     def next_number(self, prefer: int | None = None) -> int:
         """The number of a new trial: ``prefer`` (an executor's own numbering of its trials, such as
@@ -441,7 +476,7 @@ class FolderSession(LedgerSession):
         index.refresh()
         waiting = index.count(AGAIN) if waiting_run_again else 0
         needed = self._needed(live, waiting)
-        if needed is not None and needed <= 0:
+        if (needed is not None and needed <= 0) or self.stopped_by_rule():
             return Verdict.WAIT if live or waiting else Verdict.DONE
         number = self.next_number(prefer) if numbered else None
         return Claim(Lease(self.ledger.lease_dir), number=number)

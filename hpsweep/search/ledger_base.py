@@ -78,7 +78,7 @@ class Claimed(Generic[T]):
 
 
 class TrialSource(Protocol):
-    """What a ledger asks of an ask/tell backend (`hpsweep.search.backends.Backend` is one)."""
+    """What a ledger asks of an ask/tell searcher (`hpsweep.search.ask_tell.AskTellSearcher`)."""
 
     def ask(self, again: TrialRecord | None = None) -> Trial | None:
         """The next trial (``again``: that trial's record, to run it again); None: none left."""

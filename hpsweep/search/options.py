@@ -92,6 +92,17 @@ class SearchOptions:
     """`hpsweep.SweepCallback` instances around the sweep (MLflow, the Hub, the user's own)."""
     show_progress: bool = True
     """Whether the live view of the sweep is shown."""
+    warm_start: str | None = None
+    """An earlier sweep's home (a folder or an object-store URL, any backend) whose finished
+    trials the backend is given as evaluated ones before the first new trial
+    (`hpsweep.search.warm_start`); they never count towards ``n_trials``."""
+    warm_start_best: int | None = None
+    """With ``warm_start``: the earlier sweep's best configs trained again as this sweep's first
+    trials (they count)."""
+    stop_when: str | None = None
+    """A rule that ends the sweep before ``n_trials`` (`hpsweep.search.stopping`): ``plateau``,
+    ``plateau:N[:TOL]``, ``target:VALUE``, ``regret``; ``none`` goes on past a stop recorded by an
+    earlier command. None: no rule, and a recorded stop stands."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The backend's own options (``Backend.option_names``) and the keywords transformers hands a
     backend's library; read-only."""

@@ -4,8 +4,8 @@ It checks everything a user can get wrong before anything is written (each refus
 `UserError` line), adds to the options what it derives from them (the output folder, the
 directions, the objective's name, each trial's resources, the home: the one `SearchOptions` a
 backend reads) and builds the `SweepJob` every trial needs, then hands a `SweepLoop` over a
-`TrialRunner` to the chosen backend and returns the best run(s). Backends decide what to try:
-ask/tell backends under the loop, executor backends (Ray, W&B with a server) where their trials
+`TrialRunner` to the backend's searcher and returns the best run(s). Searchers decide what to
+try: an `AskTellSearcher` under the loop, a `Driver` (Ray, W&B with a server) where its trials
 start; counting, leases and records are the ledger's.
 """
 
@@ -21,7 +21,15 @@ from typing import Any
 
 from hpsweep import devices, runs
 from hpsweep.errors import UserError
-from hpsweep.search.backends import Backend, backend_class, get_backend, transformers_keywords
+from hpsweep.search import stopping
+from hpsweep.search.backends import (
+    Backend,
+    Driver,
+    Searcher,
+    backend_class,
+    get_backend,
+    transformers_keywords,
+)
 from hpsweep.search.checks import (
     STUDY_FILE,
     check_counts,
@@ -45,8 +53,10 @@ from hpsweep.search.options import (
     given_optional,
 )
 from hpsweep.search.space import validate_space
+from hpsweep.search.sweep_loop import SweepLoop
 from hpsweep.search.torchrun import launched_rank, search_launched
 from hpsweep.search.trial_runner import TrialRunner
+from hpsweep.search.warm_start import give_backend
 
 
 def search(trainer: Any, options: SearchOptions) -> Any:
@@ -140,7 +150,9 @@ def prepare(trainer: Any, options: SearchOptions) -> tuple[SearchOptions, SweepJ
     settings = adopt_native_options(settings, trainer.args, takes_trial)
     chosen = get_backend(settings.backend, settings)
     chosen.check_study()
+    taken = give_backend(chosen, settings)  # --warm-start: read, checked and handed over
     job = job_for(trainer, settings, objective, takes_trial)
+    job.sweep_callbacks[:0] = taken
     if note:
         print(f"hpsweep: {note}", file=sys.stderr)
     return settings, job, chosen
@@ -163,6 +175,7 @@ def checked_options(
         processes_per_trial=options.processes_per_trial,
     )
     refuse_combinations(trainer.args, options)
+    stopping.check_stop_when(options.stop_when, directions)
     # A request this machine's devices cannot meet is one line, before anything is written.
     placement = devices.plan(
         n_jobs=options.n_jobs,
@@ -283,12 +296,11 @@ def run_sweep(
 ) -> Any:
     """Run the backend over the sweep's folder, with its progress and sweep callbacks around it;
     returns the best run(s). A refusal before any trial leaves no folder behind."""
-    from hpsweep.search.sweep_loop import SweepLoop
-
     # before the folder: a runner may refuse the settings
     runner = (make_runner or _trial_runner)(job, settings)
     output_dir = settings.output_dir
     made = open_output_dir(output_dir, settings.study_name)
+    stopping.begin(output_dir, settings.stop_when, settings.directions, settings.space)
     progress = None
     if settings.show_progress:
         from hpsweep.search.progress import SweepProgress
@@ -309,7 +321,7 @@ def run_sweep(
             sc.on_sweep_begin(settings)
         if progress:
             progress.start()
-        chosen.run(SweepLoop(runner, settings, chosen.ledger()))
+        run_searcher(chosen.searcher(), SweepLoop(runner, settings, chosen.ledger()))
         finished = True
     except UserError:
         if not runs.read_trials(output_dir):
@@ -326,6 +338,9 @@ def run_sweep(
             # interrupted: Ctrl-C or an error; pushers skip, trackers close
             for sc in job.sweep_callbacks:
                 sc.on_sweep_end(best, records, interrupted=not finished)
+    stopped = stopping.last_line(output_dir, records) if finished else None
+    if stopped:
+        print(stopped, file=sys.stderr)
     if best is None:
         states = sorted({r.state for r in records})
         raise UserError(
@@ -337,6 +352,15 @@ def run_sweep(
 
 def _trial_runner(job: SweepJob, settings: SearchOptions) -> TrialRunner:
     return TrialRunner(job, settings.backend)
+
+
+def run_searcher(searcher: Searcher, loop: SweepLoop) -> None:
+    """The sweep's trials, tried by ``searcher``: a `Driver` drives them itself, handed the
+    loop; an `AskTellSearcher` is asked and told by the loop."""
+    if isinstance(searcher, Driver):
+        searcher.drive(loop)
+    else:
+        loop.run(searcher)
 
 
 def settle_home(job: SweepJob) -> None:

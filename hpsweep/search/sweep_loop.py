@@ -1,4 +1,4 @@
-"""The search loop every ask/tell backend runs: claim a lease, ask the backend, train, tell it.
+"""The search loop every `AskTellSearcher` runs under: claim a place, ask, train, tell.
 
 One process (``--n-jobs 1``) runs the loop itself; with ``--n-jobs N`` the command forks N
 worker processes that each run it, and supervises them:
@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 from hpsweep import devices
@@ -42,9 +43,11 @@ from hpsweep.errors import (
     TrialPruned,
     UserError,
 )
-from hpsweep.search.backends import Backend, SearchOptions
+from hpsweep.search.ask_tell import AskTellSearcher, TrialEnd
 from hpsweep.search.ledger import Ledger
 from hpsweep.search.ledger_base import Claim, TrialLedger, Verdict
+from hpsweep.search.options import SearchOptions
+from hpsweep.search.trial_runner import TrialRunner
 from hpsweep.trial import Trial
 
 # how often a worker with nothing to claim looks again (others' trials may need re-running)
@@ -54,16 +57,19 @@ RESTARTS_PER_WORKER = 3  # dead workers replaced per --n-jobs slot before the co
 
 class SweepLoop:
     """Runs trials until the ledger has ``n_trials`` finished, the timeout passes, or
-    ``max_failed_trials`` trials of this command failed.
+    ``max_failed_trials`` trials of this command failed: an `AskTellSearcher`'s (`run`), or
+    a `hpsweep.search.backends.Driver`'s, which is handed the loop and reads what it holds.
 
     Args:
-        runner: trains one trial (the `hpsweep.search.trial_runner.TrialRunner`); raises `TrialPruned`,
-            `TrialFailed` (recorded), `UserError` (the sweep cannot go on) or an interrupt.
+        runner: trains one trial and records it; raises `TrialPruned`, `TrialFailed`
+            (recorded), `UserError` (the sweep cannot go on) or an interrupt.
         settings: the search's settings.
+        ledger: the sweep's ledger (`hpsweep.search.backends.Backend.ledger`); by default the
+            files under the output folder.
     """
 
     def __init__(
-        self, runner: Any, settings: SearchOptions, ledger: TrialLedger | None = None
+        self, runner: TrialRunner, settings: SearchOptions, ledger: TrialLedger | None = None
     ) -> None:
         self.runner = runner
         self.settings = settings
@@ -76,13 +82,13 @@ class SweepLoop:
 
     # --- one process ----------------------------------------------------------------------------------
 
-    def work(self, backend: Backend, worker: int = 0) -> None:
+    def work(self, searcher: AskTellSearcher, worker: int = 0) -> None:
         """The loop itself, in this process (``worker`` numbers it among ``--n-jobs`` processes)."""
-        backend.open(worker)
+        searcher.open(worker)
         try:
             while self.deadline is None or time.monotonic() < self.deadline:
                 stop_if_signalled()
-                got = self.ledger.next_trial(backend)
+                got = self.ledger.next_trial(searcher)
                 if got is Verdict.DONE:
                     return
                 if isinstance(got, Verdict):
@@ -91,18 +97,18 @@ class SweepLoop:
                 claim, trial = got.claim, got.trial
                 if claim.again is not None:
                     trial.user_attrs["again"] = claim.again
-                self._run(backend, trial, claim)
+                self._run(searcher, trial, claim)
                 self.check_failures()
         finally:
-            backend.close()
+            searcher.close()
 
-    def _run(self, backend: Backend, trial: Trial, claim: Claim) -> None:
+    def _run(self, searcher: AskTellSearcher, trial: Trial, claim: Claim) -> None:
         try:
             value = self.runner(trial)
         except TrialPruned:
-            backend.tell(trial, "pruned")
+            searcher.tell(trial, TrialEnd.PRUNED)
         except TrialFailed:
-            backend.tell(trial, "failed")
+            searcher.tell(trial, TrialEnd.FAILED)
         except TakenOver as exc:
             # another machine runs this trial now (`._study_ledger`): its end is that run's
             print(f"hpsweep: {exc}", file=sys.stderr)
@@ -110,15 +116,15 @@ class SweepLoop:
             # the user's error is the news, not a storage hiccup; a full disk leaves the trial
             # to run again, as a signal does
             if isinstance(exc, DiskFull):
-                _tell_quietly(backend, trial, "stopped", self.ledger)
+                _tell_quietly(searcher, trial, TrialEnd.STOPPED, self.ledger)
             else:
-                _tell_quietly(backend, trial, "failed")
+                _tell_quietly(searcher, trial, TrialEnd.FAILED)
             raise
         except BaseException:
-            _tell_quietly(backend, trial, "stopped", self.ledger)
+            _tell_quietly(searcher, trial, TrialEnd.STOPPED, self.ledger)
             raise
         else:
-            backend.tell(trial, "complete", value)
+            searcher.tell(trial, TrialEnd.COMPLETE, value)
         finally:
             claim.lease.release()
 
@@ -141,27 +147,29 @@ class SweepLoop:
 
     # --- worker processes -----------------------------------------------------------------------------
 
-    def run_locally(self, backend: Backend) -> None:
-        """One trial at a time: the loop here; N: N supervised worker processes, each placed on
-        its slot's GPUs (see `hpsweep.devices`)."""
+    def run(self, searcher: AskTellSearcher) -> None:
+        """Run the sweep with ``searcher``: ``--n-jobs 1``, the loop here; N, N supervised
+        worker processes, each placed on its slot's GPUs (see `hpsweep.devices`)."""
         placement = devices.plan_for(self.settings)
         if placement.slots == 1:
             with signals_interrupt(), self.placed(placement):
-                self.work(backend)
+                self.work(searcher)
             return
-        _Supervisor(self, backend, placement).run()
+        _Supervisor(self, searcher, placement).run()
 
-    def placed(self, placement: devices.Placement | None = None) -> Any:
+    def placed(self, placement: devices.Placement | None = None) -> AbstractContextManager[None]:
         """A context in which this process runs its trials one at a time, as the first ``--n-jobs``
-        slot: its GPUs (``CUDA_VISIBLE_DEVICES``) and CPU threads. For a backend whose own loop runs
-        trials in this process (W&B's agent) as for the search layer's."""
+        slot: its GPUs (``CUDA_VISIBLE_DEVICES``) and CPU threads. For a driver that runs trials
+        in this process (W&B's agent) as for the search layer's loop."""
         return devices.placed(placement or devices.plan_for(self.settings), 0)
 
 
 class _Supervisor:
-    def __init__(self, loop: SweepLoop, backend: Backend, placement: devices.Placement) -> None:
+    def __init__(
+        self, loop: SweepLoop, searcher: AskTellSearcher, placement: devices.Placement
+    ) -> None:
         self.loop = loop
-        self.backend = backend
+        self.searcher = searcher
         self.placement = placement
         self.ctx = multiprocessing.get_context("fork")
         self.messages = self.ctx.SimpleQueue()
@@ -196,7 +204,7 @@ class _Supervisor:
     def _start(self, index: int) -> None:
         proc = self.ctx.Process(
             target=_worker_main,
-            args=(self.loop, self.backend, index, self.messages, self.placement),
+            args=(self.loop, self.searcher, index, self.messages, self.placement),
             name=f"hpsweep-worker-{index}",
             daemon=False,
         )
@@ -263,7 +271,11 @@ class _Supervisor:
 
 
 def _worker_main(
-    loop: SweepLoop, backend: Backend, index: int, messages: Any, placement: devices.Placement
+    loop: SweepLoop,
+    searcher: AskTellSearcher,
+    index: int,
+    messages: Any,
+    placement: devices.Placement,
 ) -> None:
     """One ``--n-jobs`` worker: the loop, with the command's death and SIGTERM as interrupts."""
     parent = os.getppid()
@@ -278,7 +290,7 @@ def _worker_main(
     devices.apply(placement, index)
     code = 0
     try:
-        loop.work(backend, index)
+        loop.work(searcher, index)
     except UserError as exc:
         messages.put(("user", str(exc)))
         code = 2
@@ -293,14 +305,14 @@ def _worker_main(
 
 
 def _tell_quietly(
-    backend: Backend, trial: Trial, state: str, ledger: TrialLedger | None = None
+    searcher: AskTellSearcher, trial: Trial, end: TrialEnd, ledger: TrialLedger | None = None
 ) -> None:
-    """Tell the backend while the sweep is stopping anyway (a stopped trial: the ledger first,
+    """Tell the searcher while the sweep is stopping anyway (a stopped trial: the ledger first,
     which keeps it to run again); if it cannot hear it (a full disk under its storage), the
-    ledger's reap closes the trial on the next run (`Backend.abandon`)."""
+    ledger's reap closes the trial on the next run (`AskTellSearcher.abandon`)."""
     try:
-        if state == "stopped" and ledger is not None and ledger.stopped(backend, trial):
+        if end is TrialEnd.STOPPED and ledger is not None and ledger.stopped(searcher, trial):
             return  # the ledger put the trial back to run again; nothing to tell
-        backend.tell(trial, state)
+        searcher.tell(trial, end)
     except Exception:  # noqa: BLE001 - the exception being raised already says why we stop
         pass

@@ -5,13 +5,14 @@ The sweep is one, and every trial is trained by all N processes together (accele
 DistributedDataParallel: each process one share of the batches, the gradients all-reduced), as in
 transformers' DDP flow:
 
-- **Rank 0 leads.** It alone runs the search backend (asks for trials, tells how they ended) and
-  writes the records, the checkpoints and the best run, through the same loop as a search in one
-  process. Before training a trial it sends the others the trial's number, its final params
+- **Rank 0 leads.** It alone runs the backend's searcher (the loop asks an ask/tell searcher
+  for trials and tells it how they ended; a driver that trains in its own process, W&B's agent,
+  runs there) and writes the records, the checkpoints and the best run, as a search in one
+  process does: its `TrialRunner` is a `LeadingRunner`. Before training a trial it sends the others the trial's number, its final params
   (``model_init`` may have suggested some), its arguments and the checkpoint it resumes from.
 - **The others follow.** Each builds the trial's model from those params (``model_init(trial)``
-  reads them back) and trains it beside rank 0; they never talk to the backend nor write a record.
-- **Pruning.** Rank 0 asks the backend after each evaluation and sends the answer to all, so every
+  reads them back) and trains it beside rank 0; they never talk to the searcher nor write a record.
+- **Pruning.** Rank 0 asks the searcher's trial after each evaluation and sends the answer to all, so every
   process stops at the same step.
 - **The end.** Rank 0 sends the best run, and every process returns it; a sweep that stops with an
   error on rank 0 stops with the same error everywhere (a `UserError` as the same line).
@@ -21,8 +22,8 @@ transformers' DDP flow:
   stopped) fails in its collective: torchrun stops the whole group when any process dies, and
   the group's timeout (``HPSWEEP_DIST_TIMEOUT_S`` where hpsweep starts it) bounds the rest.
 
-What cannot follow is refused in one line: a backend that starts its own processes for trials
-(Ray), ``n_jobs`` workers and ``processes_per_trial`` (the launcher already gave the processes),
+What cannot follow is refused in one line: a driver that starts processes of its own for trials
+(Ray's), ``n_jobs`` workers and ``processes_per_trial`` (the launcher already gave the processes),
 ``auto_find_batch_size`` (one process running out of memory cannot restart the others).
 """
 
@@ -38,6 +39,7 @@ from hpsweep.devices import process_group
 from hpsweep.errors import UserError
 from hpsweep.search.job import SweepJob, trainer_parts
 from hpsweep.search.objective import DefaultObjective
+from hpsweep.search.options import SearchOptions
 from hpsweep.search.trial_runner import TrainOutcome, TrialRunner, error_line
 from hpsweep.trial import Trial
 
@@ -54,7 +56,10 @@ def launched_rank(args: Any) -> int | None:
 
 
 def search_launched(
-    rank: int, trainer: Any, request: Any, sweep: Callable[[Callable[..., TrialRunner]], Any]
+    rank: int,
+    trainer: Any,
+    request: SearchOptions,
+    sweep: Callable[[Callable[..., TrialRunner]], Any],
 ) -> Any:
     """The best run(s) of the sweep that the launched processes run together. Rank 0 runs
     ``sweep(make_runner)``, the search of one process with its trials trained by all; the others
@@ -134,7 +139,7 @@ class LeadingRunner(TrialRunner):
     """Rank 0's `TrialRunner`: it records each trial as in one process, and has the others train
     it beside it."""
 
-    def __init__(self, job: SweepJob, settings: Any) -> None:
+    def __init__(self, job: SweepJob, settings: SearchOptions) -> None:
         # n_jobs again: transformers' keywords for Optuna may have set it
         _refuse(settings.backend, settings.n_jobs, settings.processes_per_trial, job.args)
         super().__init__(job, settings.backend)
@@ -185,7 +190,7 @@ def _refuse(backend: str, n_jobs: int, processes_per_trial: int, args: Any) -> N
         )
 
 
-def _follow(trainer: Any, request: Any) -> Any:
+def _follow(trainer: Any, request: SearchOptions) -> Any:
     """A follower's search: train each trial rank 0 sends, until it sends the best run."""
     while True:
         kind, body = process_group.broadcast_object()
@@ -196,7 +201,7 @@ def _follow(trainer: Any, request: Any) -> Any:
         _train_order(trainer, request, body)
 
 
-def _train_order(trainer: Any, request: Any, order: TrialOrder) -> None:
+def _train_order(trainer: Any, request: SearchOptions, order: TrialOrder) -> None:
     """Train the trial rank 0 sent, beside it. A trial that fails here failed there too, most
     likely (rank 0 records it); its line goes to stderr, and the next trial comes."""
     runner = _FollowingRunner(_following_job(trainer, request, order), order.backend)
@@ -225,7 +230,7 @@ class _FollowingRunner(TrialRunner):
         return self.train_here(trial, built, order.args, [], order.resume_from)
 
 
-def _following_job(trainer: Any, request: Any, order: TrialOrder) -> SweepJob:
+def _following_job(trainer: Any, request: SearchOptions, order: TrialOrder) -> SweepJob:
     """What a follower needs to train one trial: the trainer's own parts, rank 0's objective."""
     return SweepJob(
         **trainer_parts(trainer),

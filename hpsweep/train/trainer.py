@@ -361,8 +361,9 @@ class Trainer(Checkpointing, Evaluation, TransformersTrainerAPI):
         (the Pareto front, a list, for several directions). Keyword options: ``timeout``,
         ``n_jobs``, ``sampler``, ``pruner``, ``scheduler``, ``storage``, ``study_name``, ``seed``,
         ``resume``, ``address``, ``resources_per_trial``, ``processes_per_trial``,
-        ``max_failed_trials``, ``sweep_callbacks``, ``show_progress`` (``hpsweep.search.options``
-        says what each means); any other keyword is an option of the backend.
+        ``max_failed_trials``, ``sweep_callbacks``, ``show_progress``, ``warm_start``,
+        ``warm_start_best``, ``stop_when`` (``hpsweep.search.options`` says what each means); any other keyword
+        is an option of the backend.
 
         transformers' keywords work too (``hp_space=``, ``compute_objective=``, ``backend=None`` for
         Optuna, ``directions=[...]`` as its docs write it), and so does its first positional

@@ -311,7 +311,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_finishes(
         proc = start(*on(space, 3))
         assert wait_for(lambda: checkpoints_in(out) >= 1), proc.communicate()
         filler = disk / "filler"
-        with open(filler, "wb") as f:  # fill the disk while the trial trains
+        with open(filler, "wb", buffering=0) as f:  # fill the disk while the trial trains
             try:
                 while True:
                     f.write(b"\0" * 65536)

@@ -1,56 +1,86 @@
-"""The one interface a search backend implements, for both kinds of backend (see `Backend`)."""
+"""The backend seam: `Backend` (a search's options, checked, and the home of its ledger) and the
+two kinds of searcher a backend hands the sweep (`Backend.searcher`):
+
+- an `AskTellSearcher` (`hpsweep.search.ask_tell`) proposes trials when asked and is told how
+  they ended; the search layer's loop runs the trials (Optuna; W&B without a server);
+- a `Driver` is a library's own driver, which starts trials itself (Ray Tune's workers, W&B's
+  agent) and claims each one through the ledger where it starts.
+
+`hpsweep.search.sweep.run_searcher` runs the loop for the first and ``drive(loop)`` for the
+second.
+"""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from hpsweep.errors import UserError, did_you_mean
-from hpsweep.runs import TrialRecord
+from hpsweep.search.ask_tell import AskTellSearcher, ObjectiveValue
 from hpsweep.search.ledger import Ledger
 from hpsweep.search.ledger_base import TrialLedger
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.progress import Counts
+from hpsweep.search.sweep_loop import SweepLoop
+from hpsweep.search.warm_start import WarmStart
 from hpsweep.trial import Trial
 
-#: What a backend calls for every trial: trains it and returns its objective value(s).
+#: What a searcher calls for every trial: trains it and returns its objective value(s).
 #: Raises `hpsweep.errors.TrialPruned` when the trial was pruned, `TrialFailed` when it failed
 #: (already recorded on disk), `UserError` when the sweep as a whole cannot go on.
-TrialFunction = Callable[[Trial], "float | list[float]"]
+TrialFunction = Callable[[Trial], ObjectiveValue]
 
 
 #: The backend to suggest when an option only another backend reads is given.
 OWNERS = {"address": "ray", "storage": "optuna"}
 
 
+class Driver(abc.ABC):
+    """A library's own driver: it decides what to try and starts each trial itself (a Ray Tune
+    worker, W&B's agent thread), instead of being asked by the search layer's loop.
+
+    Where a trial starts, the driver runs the ledger's claim sequence,
+    ``loop.ledger.take_trial(choose, make)``, choosing what it claims (a new trial, one to run
+    again, one by its id) and how the trial is made; it trains the trial with ``loop.runner``,
+    which records it, and releases the claim's lease. What needs the ledger's lock is reached
+    through the session ``with loop.ledger.locked() as session:`` yields: a driver that runs
+    trials in batches asks ``session.needed()`` and ``session.next_number()`` before one and
+    after it tells the ledger what its trials could not record (``Ledger.wait_for_endings``,
+    ``session.settle``, ``session.restate``). It never counts, numbers or rewrites records.
+    """
+
+    @abc.abstractmethod
+    def drive(self, loop: SweepLoop) -> None:
+        """Run the sweep's trials until the ledger says done, ``loop.deadline`` passes or
+        `SweepLoop.check_failures` ends the sweep; ``loop.placed()`` places this process as the
+        loop places its own (for a driver that trains in this process). Raises `UserError` for
+        the sweep's user errors and `KeyboardInterrupt` (or `Interrupted`) when a signal stopped it.
+        """
+
+
+#: What a backend hands the sweep to try its trials.
+Searcher = AskTellSearcher | Driver
+
+
 class Backend:
-    """Decides which params to try, and for an executor backend where trials run; nothing else.
+    """A search backend: the options it takes, checked, and the searcher that tries its trials.
 
     Counting, numbering, leases, running cut-short trials again and failures are the sweep's
-    ledger's (`hpsweep.search.ledger_base.TrialLedger`), alike for every backend. Two kinds of backend
-    share this interface:
+    ledger's (`hpsweep.search.ledger_base.TrialLedger`), alike for every backend. A backend
+    says which of the two kinds of searcher tries its trials (`searcher`): an `AskTellSearcher`,
+    which the search layer's loop asks and tells (here and in ``--n-jobs`` worker processes), or
+    a `Driver`, which starts its trials itself. A backend that is always one kind subclasses
+    that base too and is its own searcher (Optuna, Ray): its library's state (Optuna's study,
+    which the study's ledger reads too) stays in one object. One whose kind is known only when
+    the sweep runs overrides `searcher` (W&B: its agent with a server, its engine without).
 
-    - **Ask/tell backends** (Optuna; W&B without a server) implement `ask` and `tell`. The search
-      layer's loop (`hpsweep.search.sweep_loop`) runs the trials, here and in ``--n-jobs`` worker
-      processes: the ledger's claim (`TrialLedger.next_trial`) reaps, claims a lease (a trial to
-      run again or a new one), asks the backend and binds the lease to the trial; then the loop
-      trains the trial, tells the backend how it ended and releases the lease.
-    - **Executor backends** (Ray Tune; W&B with a server, whose agent runs the trials) override
-      `run`: their trials start somewhere else (a Tune worker, the agent's thread), and there
-      they run the same claim (`Ledger.take_trial`, choosing what to claim: a new trial, or one
-      they run again); the trial runner records the trial; `Lease.release`. What needs the
-      ledger's lock is reached through the session ``with ledger.locked() as session:`` yields:
-      a driver that runs trials in batches asks ``session.needed()`` and
-      ``session.next_number()`` before one, and after it tells the ledger what its trials could
-      not record (`Ledger.wait_for_endings`, ``session.settle``, ``session.restate``). It never
-      counts, numbers or rewrites records itself.
-
-    A backend is one module (or package) in ``hpsweep/search/backends/`` and one line in
-    ``backends/__init__.py``. `__init__` checks the search's `SearchOptions` and raises
-    `UserError` for what it cannot do (a sampler it lacks, define-by-run, a missing extra), before
-    anything is written to disk; it reads the options and never changes them (what it works out
-    of them is its own attribute). `open` and `close` bracket a worker's use of an ask/tell
-    backend (in each ``--n-jobs`` worker process after the fork, so connections are never shared).
+    `__init__` checks the search's `SearchOptions` and raises `UserError` for what the backend
+    cannot do (a sampler it lacks, define-by-run, a missing extra), before anything is written
+    to disk; it reads the options and never changes them (what it works out of them is its own
+    attribute). A backend is one module (or package) in ``hpsweep/search/backends/`` and one
+    line in ``BACKENDS`` (``backends/__init__.py``), or a class registered at run time
+    (`hpsweep.search.backends.register_backend`).
     """
 
     name: ClassVar[str]
@@ -128,29 +158,16 @@ class Backend:
         it is (Hugging Face users pass ``sampler=optuna.samplers.TPESampler(...)``)."""
         return False
 
-    def open(self, worker: int = 0) -> None:
-        """Connect to the backend's records (a study, a sweep); called in the process that asks
-        (``worker`` numbers the ``--n-jobs`` processes, e.g. for distinct seeded streams)."""
-
-    def close(self) -> None:
-        """Release what `open` took."""
-
-    def ask(self, again: TrialRecord | None = None) -> Trial | None:
-        """The next trial to run, or None when the search has nothing more to try (a finished grid).
-
-        With ``again``, the record of a trial whose run was cut short: return that trial again,
-        with its number and params (its folder and checkpoint are the search layer's business).
-        An executor backend (it overrides `run`) need not implement it.
-        """
-        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
-
-    def tell(self, trial: Trial, state: str, value: float | list[float] | None = None) -> None:
-        """How ``trial`` ended: ``complete`` (with its objective), ``pruned``, ``failed``, or
-        ``stopped`` (it will run again; the backend should not count it as a result)."""
-        raise NotImplementedError(f"the {self.name} backend runs its own trials (see its run())")
-
-    def abandon(self, ref: Any) -> None:
-        """Close a trial whose process died (``ref`` is what `Trial.ref` returned for it)."""
+    def searcher(self) -> Searcher:
+        """What tries the sweep's trials: the backend itself when it subclasses `AskTellSearcher`
+        or `Driver`; a backend whose kind depends on what is known only as the sweep starts
+        overrides it. Called once per sweep, after the output folder is made."""
+        if isinstance(self, (AskTellSearcher, Driver)):
+            return self
+        raise TypeError(
+            f"{type(self).__name__} is neither an AskTellSearcher nor a Driver: subclass one of "
+            "them too, or override searcher()"
+        )
 
     def check_study(self) -> None:
         """Refuse, in one `UserError` line and before anything is written, a sweep whose stored
@@ -168,7 +185,14 @@ class Backend:
         sweep); None (the default): the display counts the records in the output folder."""
         return None
 
-    def run(self, loop: Any) -> None:
-        """Run the sweep: by default the search layer's loop, here and in ``--n-jobs`` workers; an
-        executor backend overrides it (see the class's docstring), with ``loop.ledger``."""
-        loop.run_locally(self)
+    def warm_start(self, warm: WarmStart) -> None:
+        """Take an earlier sweep's trials (``--warm-start``, `hpsweep.search.warm_start`), to give
+        the search as evaluated ones before its first new trial, with ``warm.best``: configs to
+        train first. Called once per command, before anything is written: refuse here, in one
+        `UserError` line, what the backend cannot take. The trials reach the backend's study
+        once, however many commands or machines run the sweep, and never count towards
+        ``n_trials`` (they have no record and no run folder)."""
+        raise UserError(
+            f"--warm-start: the {self.name} backend cannot begin from earlier trials; "
+            "drop --warm-start or use --backend optuna"
+        )

@@ -3,12 +3,12 @@
 With a W&B login (``WANDB_API_KEY`` or ``wandb login``) and ``WANDB_MODE`` not ``offline`` or
 ``disabled``, the sweep runs the way W&B users know it: ``wandb.sweep`` creates it on the
 server and ``wandb.agent`` runs ``--n-trials`` runs, the server proposing params and stopping
-runs (an executor backend, see `Backend`: each run takes its lease and number from the sweep's
-ledger, though the server cannot run a cut-short run again). Without a server the same sweep
-runs locally on ``sweeps``, the open-source engine W&B's local controller uses (an ask/tell
-backend): it proposes the next params from the finished runs on disk and decides hyperband
-stops, and every trial is an offline W&B run under ``DIR/wandb/`` that
-``wandb sync DIR/wandb/offline-run-*`` uploads later. hpsweep adds no search logic of its own.
+runs (a `Driver`: each run takes its lease and number from the sweep's ledger, though the
+server cannot run a cut-short run again). Without a server the same sweep runs locally on
+``sweeps``, the open-source engine W&B's local controller uses (an `AskTellSearcher`): it
+proposes the next params from the finished runs on disk and decides hyperband stops, and every
+trial is an offline W&B run under ``DIR/wandb/`` that ``wandb sync DIR/wandb/offline-run-*``
+uploads later. hpsweep adds no search logic of its own.
 
     $ WANDB_MODE=offline hpsweep run space.py --backend wandb --sampler bayes --pruner hyperband
 
@@ -43,12 +43,14 @@ with warnings.catch_warnings():
 
 from hpsweep import runs
 from hpsweep.errors import TrialFailed, TrialPruned, UserError
-from hpsweep.search.backends._base import Backend
+from hpsweep.search.ask_tell import AskTellSearcher, ObjectiveValue, TrialEnd
+from hpsweep.search.backends._base import Backend, Driver, Searcher, TrialFunction
 from hpsweep.search.ledger import FolderSession, Ledger
 from hpsweep.search.ledger_base import Claim, Verdict
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
-from hpsweep.search.sweep_loop import WAIT_S
+from hpsweep.search.sweep_loop import WAIT_S, SweepLoop
+from hpsweep.search.warm_start import WarmStart, whole_trials_only
 from hpsweep.trial import Trial, training_step
 
 SWEEP_FILE = "wandb_sweep.json"
@@ -68,6 +70,8 @@ RUN_STATES = {
     "running": "crashed",
     "stopped": "crashed",
 }
+#: How a local trial's offline W&B run exits, by how it ended (1: any other end).
+EXIT_CODES = {TrialEnd.COMPLETE: 0, TrialEnd.PRUNED: 0, TrialEnd.STOPPED: 130}
 
 
 class WandbTrial(Trial):
@@ -226,8 +230,9 @@ def _plain(value: Any) -> Any:
 # --- the backend ------------------------------------------------------------------------------------
 
 
-class WandbBackend(Backend):
-    """Search with W&B Sweeps (online: the W&B server; offline: the ``sweeps`` engine locally)."""
+class WandbBackend(Backend, AskTellSearcher):
+    """Search with W&B Sweeps: online, the W&B server through its agent (`_Agent`, a `Driver`);
+    offline, the ``sweeps`` engine locally, which this backend asks and tells itself."""
 
     name = "wandb"
     samplers = ("bayes", "random", "grid")
@@ -235,6 +240,8 @@ class WandbBackend(Backend):
     reads = frozenset({"resources_per_trial"})
     option_names = OPTIONS
     parallel = False  # the engine proposes from the finished runs: one trial at a time
+    #: ``--warm-start``'s trials, as the runs the engine learns from beside the sweep's own.
+    _warm_runs: Sequence[sweeps.SweepRun] = ()
 
     @staticmethod
     def transformers_keywords(
@@ -290,17 +297,9 @@ class WandbBackend(Backend):
             str, list[dict[str, float]]
         ] = {}  # objective per evaluation, for callable objectives
 
-    def run(self, loop: Any) -> None:
-        saved = self._load_sweep_file()
-        if self.online:  # the agent trains in this process: placed as the offline loop's trials are
-            with loop.placed():
-                self._run_online(
-                    loop.runner,
-                    self.settings.options.get("sweep_id") or saved.get("sweep_id"),
-                    loop,
-                )
-        else:
-            super().run(loop)
+    def searcher(self) -> Searcher:
+        """With a W&B login, the server's agent; without, this backend (the ``sweeps`` engine)."""
+        return _Agent(self) if self.online else self
 
     # --- shared pieces --------------------------------------------------------------------------------
 
@@ -342,6 +341,10 @@ class WandbBackend(Backend):
 
     # --- local: the sweeps engine on the runs on disk -----------------------------------------------
 
+    def open(self, worker: int = 0) -> None:
+        """The folder's sweep file checked and written, before the first trial."""
+        self._load_sweep_file()
+
     def ask(self, again: runs.TrialRecord | None = None) -> WandbTrial | None:
         """A trial cut short, again from its latest checkpoint: its number, params and history.
         A new trial is asked with the number the ledger gives it (`ask_numbered`)."""
@@ -367,7 +370,8 @@ class WandbBackend(Backend):
         return self._offline_trial(number, params, [], finished)
 
     def _finished(self) -> list[sweeps.SweepRun]:
-        return [self._as_sweep_run(r) for r in self._records() if r.backend == "wandb"]
+        own = [self._as_sweep_run(r) for r in self._records() if r.backend == "wandb"]
+        return [*self._warm_runs, *own]
 
     def _offline_trial(
         self,
@@ -395,28 +399,27 @@ class WandbBackend(Backend):
             number, params, run=run, metric=self.metric, history=history, stopper=stopper
         )
 
-    def tell(self, trial: Any, state: str, value: Any = None) -> None:
+    def tell(self, trial: Trial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
+        assert isinstance(trial, WandbTrial), "a trial this backend handed out"
         self._histories[trial.id] = trial.history
-        if state == "pruned":
-            trial.run.tags = (
-                *trial.run.tags,
-                "pruned",
-            )  # W&B has no pruned state; a tag keeps it findable
-        elif state == "complete":
+        if end is TrialEnd.PRUNED:
+            # W&B has no pruned state; a tag keeps it findable
+            trial.run.tags = (*trial.run.tags, "pruned")
+        elif end is TrialEnd.COMPLETE:
             trial.run.summary[self.metric] = value
-        trial.run.finish(exit_code={"complete": 0, "pruned": 0, "stopped": 130}.get(state, 1))
+        trial.run.finish(exit_code=EXIT_CODES.get(end, 1))
 
-    def _call(self, trial_fn: Any, trial: WandbTrial) -> str:
-        """Online: train ``trial`` in the agent's thread; returns its end state, the run's summary set."""
+    def _call(self, trial_fn: TrialFunction, trial: WandbTrial) -> TrialEnd:
+        """Online: train ``trial`` in the agent's thread; returns how it ended, the run's summary set."""
         try:
             objective = trial_fn(trial)
         except TrialPruned:
             trial.run.tags = (*trial.run.tags, "pruned")
-            return "pruned"
+            return TrialEnd.PRUNED
         except TrialFailed:
-            return "failed"
+            return TrialEnd.FAILED
         trial.run.summary[self.metric] = objective
-        return "complete"
+        return TrialEnd.COMPLETE
 
     def _as_sweep_run(self, record: runs.TrialRecord) -> sweeps.SweepRun:
         """A trial on disk as the engine sees a W&B run: config, state, metric history, summary."""
@@ -444,35 +447,67 @@ class WandbBackend(Backend):
 
         return stop
 
-    # --- online: wandb.sweep + wandb.agent (not testable without a W&B server) ------------------------
-
-    def _run_online(self, trial_fn: Any, sweep_id: str | None, loop: Any) -> None:
-        s = self.settings
-        if sweep_id is None:
-            sweep_id = wandb.sweep(
-                self.config, project=s.study_name, entity=s.options.get("entity")
+    def warm_start(self, warm: WarmStart) -> None:
+        """Offline, the engine proposes from the runs it is given: the earlier trials are given
+        as finished runs beside the sweep's own (``warm-<number>``). It takes whole trials only
+        (a param the new space adds would be a hole in its model), and it has no queue for
+        ``--warm-start-best``; a W&B server takes no runs from elsewhere."""
+        if self.online:
+            raise UserError(
+                "--warm-start: a sweep on the W&B server takes no earlier runs; run it offline "
+                "(WANDB_MODE=offline) or use --backend optuna"
             )
-            path = s.output_dir / SWEEP_FILE
-            runs.write_json(path, {**runs.read_json(path), "sweep_id": sweep_id})
-        _Agent(self, trial_fn, loop.ledger).run(sweep_id)
+        whole_trials_only(warm, self.name)
+        self._warm_runs = [
+            _sweep_run(
+                f"warm-{t.number}",
+                "finished",
+                t.params,
+                [{self.metric: v} for _, v in sorted(t.intermediate.items())],
+                {self.metric: t.value} if t.value is not None else None,
+                stopped=t.state == "pruned",
+            )
+            for t in warm.trials
+        ]
 
 
-class _Agent:
-    """W&B's agent, run one trial at a time: an executor backend (see `Backend`). The server hands
-    out the params and stops runs; each trial takes its lease and number from the sweep's ledger
-    before the agent starts it, as the search layer's loop does, so the ledger counts, numbers and
-    reaps the agent's trials as any other. The server cannot run a cut-short trial again: trials
-    waiting to run again hold no place in the count here."""
+# --- online: wandb.sweep + wandb.agent (not testable without a W&B server) ------------------------
 
-    def __init__(self, backend: WandbBackend, trial_fn: Any, ledger: Ledger) -> None:
+
+class _Agent(Driver):
+    """W&B's agent, run one trial at a time in this process. The server hands out the params and
+    stops runs; each trial takes its lease and number from the sweep's ledger before the agent
+    starts it, as the search layer's loop does, so the ledger counts, numbers and reaps the
+    agent's trials as any other. The server cannot run a cut-short trial again: trials waiting
+    to run again hold no place in the count here."""
+
+    def __init__(self, backend: WandbBackend) -> None:
         self.backend = backend
         self.settings = backend.settings
-        self.trial_fn = trial_fn
-        self.ledger = ledger
         self.errors: list[BaseException] = []
         self.interrupted = threading.Event()
 
-    def run(self, sweep_id: str) -> None:
+    def drive(self, loop: SweepLoop) -> None:
+        """The folder's sweep (or ``sweep_id``'s, or a new one on the server), its runs trained
+        here, placed as the loop places its trials."""
+        saved = self.backend._load_sweep_file()
+        ledger = loop.ledger
+        assert isinstance(ledger, Ledger), "W&B's ledger is the output folder's (Backend.ledger)"
+        with loop.placed():
+            sweep_id = self.settings.options.get("sweep_id") or saved.get("sweep_id")
+            self._run(sweep_id or self._create_sweep(), loop.runner, ledger)
+
+    def _create_sweep(self) -> str:
+        """A new sweep on the server, its id kept in the folder's sweep file."""
+        s = self.settings
+        sweep_id = wandb.sweep(
+            self.backend.config, project=s.study_name, entity=s.options.get("entity")
+        )
+        path = s.output_dir / SWEEP_FILE
+        runs.write_json(path, {**runs.read_json(path), "sweep_id": sweep_id})
+        return sweep_id
+
+    def _run(self, sweep_id: str, trial_fn: TrialFunction, ledger: Ledger) -> None:
         """One agent per trial, so n_trials, --timeout and errors are checked between runs."""
         s = self.settings
         started = time.monotonic()
@@ -482,7 +517,7 @@ class _Agent:
                 and not self.errors
                 and not self.interrupted.is_set()
             ):
-                claimed = self.ledger.take_trial(_new_trial, _its_place)
+                claimed = ledger.take_trial(_new_trial, _its_place)
                 if claimed is Verdict.DONE:
                     break
                 if isinstance(claimed, Verdict):
@@ -491,7 +526,9 @@ class _Agent:
                 try:
                     wandb.agent(
                         sweep_id,
-                        function=functools.partial(self._one_trial, claimed.trial.number),
+                        function=functools.partial(
+                            self._one_trial, trial_fn, ledger, claimed.trial.number
+                        ),
                         count=1,
                         project=s.study_name,
                         entity=s.options.get("entity"),
@@ -503,7 +540,7 @@ class _Agent:
         if self.interrupted.is_set():
             raise KeyboardInterrupt
 
-    def _one_trial(self, number: int) -> None:
+    def _one_trial(self, trial_fn: TrialFunction, ledger: Ledger, number: int) -> None:
         """The agent calls this in its own thread, with the server's params, for the trial
         numbered ``number`` that the ledger's claim made room for."""
         backend = self.backend
@@ -512,15 +549,15 @@ class _Agent:
         params = {name: _plain(run.config[name]) for name in backend.config["parameters"]}
         trial = WandbTrial(number, params, run=run, metric=backend.metric)
         try:
-            state = backend._call(self.trial_fn, trial)
+            end = backend._call(trial_fn, trial)
         except UserError as exc:
             self.errors.append(exc)
             raise
-        run.finish(exit_code=1 if state == "failed" else 0)
+        run.finish(exit_code=1 if end is TrialEnd.FAILED else 0)
         if getattr(threading.current_thread(), "_terminated", False):
             # The agent stops a run by raising inside its thread (the server's hyperband or
             # Ctrl-C): TrialRunner saw an exception, so record what it really was.
-            with self.ledger.locked() as session:
+            with ledger.locked() as session:
                 session.restate(trial.id, "stopped" if self.interrupted.is_set() else "pruned")
 
     @contextlib.contextmanager

@@ -30,6 +30,8 @@ import optuna
 from optuna.trial import TrialState
 
 from hpsweep.errors import EndedOutside, TakenOver, UserError
+from hpsweep.runs import TrialRecord
+from hpsweep.search.ask_tell import AskTellSearcher, ObjectiveValue, TrialEnd
 from hpsweep.search.backends._base import Backend
 from hpsweep.search.backends._optuna._storages import (
     OPEN_TRIES,
@@ -56,6 +58,13 @@ from hpsweep.search.ledger_base import TrialLedger
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Distribution, Float, Int
 from hpsweep.search.trial_reporter import CHECKPOINT, MLFLOW_RUN_ID, RUN_DIR
+from hpsweep.search.warm_start import (
+    WARM_ATTR,
+    WARM_BEST,
+    WARM_NUMBER,
+    WarmStart,
+    WarmTrial,
+)
 from hpsweep.trial import Trial, training_step
 
 #: What a trial learns while it runs (`Trial.user_attrs`, from `hpsweep.search.trial_reporter` and the
@@ -168,7 +177,7 @@ def ended_outside(number: int, state: TrialState) -> str:
     )
 
 
-def _ended_late(trial: OptunaTrial, state: str) -> str:
+def _ended_late(trial: OptunaTrial, state: TrialEnd) -> str:
     """What the sweep says of a trial ended from outside after its last report: it ended here as
     it ended (its record says so), and the study keeps the state it was given."""
     given = trial.ended_outside.name if trial.ended_outside is not None else "it"
@@ -186,9 +195,10 @@ def suggest(trial: OptunaTrial, name: str, dist: Distribution) -> Any:
     return trial.suggest_categorical(name, dist.choices)
 
 
-class OptunaBackend(Backend):
-    """Search with Optuna. Samplers: tpe (default), random, cmaes, gp, grid, nsga2; pruners:
-    median (default), hyperband, sha, none. Pruners see every evaluation's objective.
+class OptunaBackend(Backend, AskTellSearcher):
+    """Search with Optuna: an `AskTellSearcher`, its study asked and told. Samplers: tpe
+    (default), random, cmaes, gp, grid, nsga2; pruners: median (default), hyperband, sha, none.
+    Pruners see every evaluation's objective.
 
     Options: the two transformers' Optuna users pass on to ``create_study`` / ``optimize``, which
     hpsweep always does: ``load_if_exists`` (the same command continues its study) and
@@ -199,6 +209,8 @@ class OptunaBackend(Backend):
     pruners = ("median", "hyperband", "sha", "none")
     reads = frozenset({"storage", "resources_per_trial"})
     option_names = ("load_if_exists", "gc_after_trial")
+    #: ``--warm-start``'s trials, for the study this command may create (`warm_start`).
+    _warm: WarmStart | None = None
 
     def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
@@ -325,7 +337,7 @@ class OptunaBackend(Backend):
         try:  # loaded first: creating appends a record to a journal even when the study exists
             study = optuna.load_study(**found)
         except KeyError:
-            study = optuna.create_study(**found, directions=s.directions, load_if_exists=True)
+            study = self._create_study(found)
         stored = [d.name.lower() for d in study.directions]
         if stored != s.directions:  # Optuna 5 loads a study with other directions without a word
             raise UserError(
@@ -447,7 +459,7 @@ class OptunaBackend(Backend):
     def close(self) -> None:
         self.study = None
 
-    def ask(self, again: Any = None) -> OptunaTrial | None:
+    def ask(self, again: TrialRecord | None = None) -> OptunaTrial | None:
         study = self.study
         assert study is not None, "open() first"
         # the same params again, as a new Optuna trial (the cut-short one is FAIL)
@@ -459,7 +471,7 @@ class OptunaBackend(Backend):
             return None
         return self.wrap(study.ask(), again)
 
-    def wrap(self, asked: optuna.Trial, again: Any = None) -> OptunaTrial:
+    def wrap(self, asked: optuna.Trial, again: TrialRecord | None = None) -> OptunaTrial:
         """The `Trial` of the Optuna trial ``asked``, its space's params suggested; with ``again``
         (the record of the trial it runs again) that trial's number and id."""
         study, s = self.study, self.settings
@@ -480,20 +492,21 @@ class OptunaBackend(Backend):
                 ) from None
         return trial
 
-    def tell(self, trial: Any, state: str, value: Any = None) -> None:
+    def tell(self, trial: Trial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
         """Tell the study how ``trial`` ended here, unless it no longer runs here: ended from
         outside (the study keeps what it was given) or taken over by another machine."""
+        assert isinstance(trial, OptunaTrial), "a trial this backend handed out"
         try:
             try:
                 trial.check_running(fresh=True)
                 trial.forward_links()
-                self._tell(trial, state, value)
+                self._tell(trial, end, value)
             except optuna.exceptions.UpdateFinishedTrialError:
                 trial.check_running(fresh=True)  # ended since it was read: say how
                 raise
         except EndedOutside:
-            if state != "failed":  # a failed one's record and the progress say it already
-                print(f"hpsweep: {_ended_late(trial, state)}", file=sys.stderr)
+            if end is not TrialEnd.FAILED:  # a failed one's record and the progress say so
+                print(f"hpsweep: {_ended_late(trial, end)}", file=sys.stderr)
         except (TakenOver, optuna.exceptions.UpdateFinishedTrialError):
             # another machine judged this trial's process dead (its heartbeat stopped while the
             # database was away) and runs it again; that run records it
@@ -507,15 +520,15 @@ class OptunaBackend(Backend):
             if not self.exhausted():
                 raise
 
-    def _tell(self, trial: Any, state: str, value: Any = None) -> None:
+    def _tell(self, trial: OptunaTrial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
         # skip_if_finished: ended from outside since `check_running` read it, it stays so
         assert self.study is not None
-        if state == "complete":
+        if end is TrialEnd.COMPLETE:
             self.study.tell(trial._trial, value, skip_if_finished=True)
-        elif state == "pruned":
+        elif end is TrialEnd.PRUNED:
             self.study.tell(trial._trial, state=TrialState.PRUNED, skip_if_finished=True)
         else:
-            if state == "stopped":
+            if end is TrialEnd.STOPPED:
                 trial._trial.set_user_attr("hpsweep_stopped", True)
             self.study.tell(trial._trial, state=TrialState.FAIL, skip_if_finished=True)
 
@@ -550,6 +563,52 @@ class OptunaBackend(Backend):
     def _grid_done(study: optuna.Study) -> bool:
         sampler = study.sampler
         return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
+
+    # --- an earlier sweep's trials (--warm-start) -----------------------------------------------------
+
+    def warm_start(self, warm: WarmStart) -> None:
+        """Keep ``warm`` for the study: its trials are added to it as finished ones, marked
+        `WARM_ATTR` (and their earlier number), and its best configs enqueued with `WARM_BEST`,
+        by the command that creates the study, once (`_create_study`): a study that exists took
+        its warm start when it was made. One that took another, or began without one, is
+        refused here, before anything is written."""
+        self._warm = warm
+        if not self._stored():
+            return
+        checked = self._checked
+        storage = checked[1] if checked is not None else self._opened(self._storage)
+        try:
+            self._check_warm_taken(storage, warm)
+        finally:
+            if checked is None:
+                _close(storage)
+
+    def _check_warm_taken(self, storage: optuna.storages.BaseStorage, warm: WarmStart) -> None:
+        s = self.settings
+        try:
+            study_id = storage.get_study_id_from_name(s.study_name)
+        except KeyError:
+            return  # a new study: it takes the warm start when it is made
+        taken = storage.get_study_user_attrs(study_id).get(WARM_ATTR)
+        if taken == warm.home:
+            return
+        began = f"began from --warm-start {taken}" if taken else "began without --warm-start"
+        raise UserError(
+            f"study {s.study_name!r} in {self.storage.label} {began}; a warm start is taken "
+            "when a study is made: use another --study-name or --output-dir, or give the same "
+            "--warm-start"
+        )
+
+    def _create_study(self, found: dict[str, Any]) -> optuna.Study:
+        """Create the study (``found``: its storage, name, sampler and pruner) or, when another
+        process made it meanwhile, load it; the one process that creates it adds the warm start."""
+        try:
+            study = optuna.create_study(**found, directions=self.settings.directions)
+        except optuna.exceptions.DuplicatedStudyError:
+            return optuna.load_study(**found)
+        if self._warm is not None:
+            add_warm_start(study, self._warm, self.settings.space or {})
+        return study
 
 
 def _a_complete_trial(
@@ -592,7 +651,9 @@ def _optuna_distribution(dist: Distribution) -> optuna.distributions.BaseDistrib
     return optuna.distributions.CategoricalDistribution(list(dist.choices))
 
 
-def _again_identity(asked: optuna.Trial, again: Any) -> tuple[int | None, str | None]:
+def _again_identity(
+    asked: optuna.Trial, again: TrialRecord | None
+) -> tuple[int | None, str | None]:
     """The number and id a trial that runs another again takes: from that trial's record, or
     from what its enqueued copy carries in the study (`._study_ledger`)."""
     if again is not None:
@@ -614,3 +675,29 @@ def shared_database(parsed: StorageSpec) -> optuna.storages.BaseStorage:
         grace_period=GRACE_S,
     )
     return RetryingStorage(optuna.storages.get_storage(storage), parsed.label)
+
+
+def add_warm_start(study: optuna.Study, warm: WarmStart, space: dict[str, Distribution]) -> None:
+    """Mark the new ``study`` as warm-started from ``warm.home``, then add its trials as finished
+    ones (each with `WARM_ATTR` and its earlier number, `WARM_NUMBER`) and enqueue its best
+    configs (`WARM_BEST`: their rank); a param a trial lacks is one the new space added."""
+    study.set_user_attr(WARM_ATTR, warm.home)
+    study.add_trials([_warm_trial(t, warm.home, space) for t in warm.trials])
+    for rank, params in enumerate(warm.best):
+        study.enqueue_trial(params, user_attrs={WARM_BEST: rank}, skip_if_exists=False)
+
+
+def _warm_trial(
+    trial: WarmTrial, home: str, space: dict[str, Distribution]
+) -> optuna.trial.FrozenTrial:
+    complete = trial.state == "complete"
+    value = trial.value
+    return optuna.trial.create_trial(
+        state=TrialState.COMPLETE if complete else TrialState.PRUNED,
+        params=trial.params,
+        distributions={name: _optuna_distribution(space[name]) for name in trial.params},
+        value=value if complete and not isinstance(value, list) else None,
+        values=value if complete and isinstance(value, list) else None,
+        intermediate_values=trial.intermediate,
+        user_attrs={WARM_ATTR: home, WARM_NUMBER: trial.number},
+    )

@@ -54,6 +54,11 @@ the ledger (docs/many-machines.md), with the same guarantees as the files of
 - **Pauses.** When the database goes away (a restart, a failover), every call waits for it
   (`hpsweep.search.backends._optuna._retrying_storage`); a machine that waited does not judge others' heartbeats
   until they had time to beat again.
+- **Stopping.** With ``--stop-when``, the rule is judged before a new trial is asked, when a
+  trial finished since this process last judged, and its decision is kept in the study (the
+  user attribute `hpsweep.search.stopping.STUDY_ATTR`): every machine reads it before it asks,
+  so none starts a new trial after it. Trials running then finish and count; a trial waiting
+  to run again still runs; one asked meanwhile is closed unneeded (`StudyLedger._after_stop`).
 - **Home.** The study remembers the sweep's home (``--output-dir``); a command that names
   another is refused before anything is written (`check_home`).
 
@@ -83,8 +88,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpsweep import runs
 from hpsweep.errors import UserError
+from hpsweep.search import stopping
 from hpsweep.search.ledger_base import Claim, Claimed, LedgerSession, TrialSource, Verdict
 from hpsweep.search.progress import Counts
+from hpsweep.search.warm_start import WARM_ATTR
 from hpsweep.trial import Trial
 
 # Optuna marks its heartbeat experimental and expects it under Study.optimize; hpsweep runs the
@@ -107,7 +114,10 @@ HOME = "hpsweep_home"
 #: The system attribute in which Optuna says why a trial failed; hpsweep's closures use it too.
 FAIL_REASON = "fail_reason"
 #: Why a trial asked after the sweep had its trials was closed without running (`close_unneeded`).
-UNNEEDED = "not run: the sweep had its n_trials finished trials when this trial came up"
+UNNEEDED = (
+    "not run: the sweep had its n_trials finished trials, or its stopping rule had ended it, "
+    "when this trial came up"
+)
 #: In the sweep's folder on each machine: the study's counts as its workers last read them.
 COUNTS_FILE = ".study-counts.json"
 #: How old `COUNTS_FILE` may get before a worker on the machine reads the study to rewrite it.
@@ -225,6 +235,7 @@ class StudyLedger:
         self.n_trials = n_trials
         self.home = home
         self.index = runs.TrialIndex(output_dir)
+        self.judge = stopping.StopJudge(output_dir, n_trials)
         # each running trial's run as last seen (its beat, its start) and since when, by our clock
         self._seen: dict[int, tuple[Any, float]] = {}
         self._reaped_at = -float("inf")
@@ -266,6 +277,8 @@ class StudyLedger:
                 return Verdict.WAIT  # no room for one more; a running one may fail or die
         if optuna_backend.exhausted():
             return Verdict.DONE  # a finished grid
+        if self._stopped_by_rule(study):
+            return self._after_stop(study, optuna_backend)
         asked = study.ask()  # a trial put back to WAITING first, else a new one
         if not self._admitted(study, asked.number):
             # it holds its place in case a trial ahead fails; once the sweep has its trials, the
@@ -289,6 +302,43 @@ class StudyLedger:
             raise
         trial.fence = beat  # type: ignore[attr-defined]  # an OptunaTrial's
         return Claimed(Claim(beat, again), trial)
+
+    def _stopped_by_rule(self, study: optuna.Study) -> bool:
+        """Whether the sweep's stopping rule ended it: its decision in the study (any machine's),
+        or the rule firing now on the study's finished trials (`stopping.StopJudge`). A decision
+        is copied to this machine's folder, for the sweep's last line."""
+        storage, study_id = study._storage, study._study_id
+
+        def load() -> stopping.StopState:
+            attrs = storage.get_study_user_attrs(study_id)
+            return stopping.StopState.from_dict(attrs.get(stopping.STUDY_ATTR))
+
+        def save(state: stopping.StopState) -> None:
+            storage.set_study_user_attr(study_id, stopping.STUDY_ATTR, dataclasses.asdict(state))
+
+        stopped = self.judge.stopped(
+            load, save, lambda: self._read(study)[1].finished, lambda: finished_in_order(study)
+        )
+        if stopped:
+            stopping.write_state(self.output_dir, load())
+        return stopped
+
+    def _after_stop(self, study: optuna.Study, backend: StudyBackend) -> Claimed[Trial] | Verdict:
+        """Once the stopping rule ended the sweep: a trial waiting to run again still runs (it
+        began before the decision, and counts); no new trial starts, and a placeholder asked
+        meanwhile (`_admitted`) is closed unneeded."""
+        _, tally = self._read(study, publish=True)
+        if tally.waiting:
+            asked = study.ask()
+            if AGAIN_ID in asked.user_attrs and self._admitted(study, asked.number):
+                return self._claim(study, asked, backend)
+            with suppress(optuna.exceptions.UpdateFinishedTrialError):
+                if AGAIN_ID in asked.user_attrs:
+                    study._storage.set_trial_state_values(asked._trial_id, TrialState.WAITING)
+                else:
+                    study._storage.set_trial_system_attr(asked._trial_id, FAIL_REASON, UNNEEDED)
+                    study._storage.set_trial_state_values(asked._trial_id, TrialState.FAIL)
+        return Verdict.WAIT if tally.running or tally.waiting else Verdict.DONE
 
     def _near_end(self) -> bool:
         """Whether the next trial this process asks for may find no room: then it reads the study
@@ -516,6 +566,10 @@ class StudyTally:
         self._looked = len(trials)
 
     def _settle(self, trial: FrozenTrial) -> None:
+        if WARM_ATTR in trial.user_attrs:
+            # an earlier sweep's (--warm-start): it never counts, so it is before others as a FAIL is
+            insort(self._fails, trial.number)
+            return
         if trial.state == TrialState.FAIL:
             insort(self._fails, trial.number)
             closed = trial.system_attrs.get(FAIL_REASON) == UNNEEDED
@@ -601,6 +655,26 @@ def _number(trial: FrozenTrial) -> int:
     """The trial's number as hpsweep's records name it (a copy run by an older hpsweep names the
     trial it continues)."""
     return int(trial.user_attrs.get(AGAIN_NUMBER, trial.number))
+
+
+def finished_in_order(study: optuna.Study) -> list[stopping.Finished]:
+    """The study's finished (complete or pruned) trials in the order they finished, as a
+    stopping rule reads them; an earlier sweep's (``--warm-start``) are not this sweep's."""
+    trials = study._storage.get_all_trials(
+        study._study_id, deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)
+    )
+    ours = sorted(
+        (t for t in trials if WARM_ATTR not in t.user_attrs),
+        key=lambda t: (t.datetime_complete or t.datetime_start, t.number),
+    )
+    return [
+        stopping.Finished(
+            t.params,
+            t.value if t.state == TrialState.COMPLETE else None,
+            t.duration.total_seconds() if t.duration is not None else None,
+        )
+        for t in ours
+    ]
 
 
 def close_unneeded(storage: Any, trials: Sequence[FrozenTrial]) -> int:

@@ -1,47 +1,11 @@
-"""The Ray Tune backend: the same space file, run by Ray Tune on this machine or on a Ray cluster.
+"""The Ray Tune backend: the same space file, run by Ray Tune on this machine or a Ray cluster.
 
-Ray decides what to try and where trials run: an executor backend (see `Backend`). The sweep's
-ledger (`hpsweep.search.ledger`) counts, numbers, leases and runs cut-short trials again, through
-the claim the search layer's loop runs (on the workers, where trials start) and the ledger's
-session (on the driver, between rounds) (docs/guarantees.md):
-
-- Tune's search algorithm picks params (``--sampler tpe``: Optuna's TPE through Tune's
-  `OptunaSearch`; ``random``), its scheduler (``--scheduler fifo|asha|hyperband|pbt``) stops,
-  pauses, resumes and (PBT) clones trials, and Ray places them on the cluster's nodes with
-  ``--resources-per-trial``, at most ``--n-jobs`` at once.
-- The driver runs Tune in rounds, each its own Tune experiment in ``<output-dir>/.ray/`` (or
-  ``--storage``). First a round that runs again the trials the ledger holds as cut short (a
-  killed command, a dead worker, Ctrl-C), each with its params, in its folder, from its latest
-  checkpoint; then rounds of new trials, as many as the ledger still needs
-  (`FolderSession.needed`), numbered from `FolderSession.next_number`, until it holds
-  ``--n-trials`` finished (complete or pruned) trials, the timeout passed, or
-  ``--max-failed-trials`` trials of this command failed.
-  Each round's Optuna searcher starts from the results of the finished trials. So the same
-  command continues a stopped sweep; ``--resume`` is accepted and changes nothing.
-- Each Tune trial takes its lease from the ledger on its worker before it trains (see
-  `._trial`): two commands on one folder share the work, and a failed trial is recorded
-  while another runs instead. Tune's ``FailureConfig`` retries a trial whose worker died within
-  a round.
-- Before any trial the driver checks that the cluster can run the sweep (`._preflight`): some
-  node can hold a trial, and on several nodes, each reaches Ray's storage; else one line.
-- After a round the driver tells the ledger what Tune saw and the trials could not record
-  (`FolderSession.fail_unrecorded`, `FolderSession.settle`): a trial Tune failed before it
-  recorded itself, or that Ray could not place (`._stopping.PlacementWatch`), is recorded as
-  failed, so it counts towards ``--max-failed-trials``; a trial the sweep's stop cut short runs
-  again, not ``pruned``; one whose workers died in two rounds of one command is recorded as
-  failed.
-
-Each evaluation is reported to Tune with the metrics, ``objective`` and, when one was saved at
-that step, the checkpoint. ``hp_space`` may be define-by-run (``trial.suggest_*``, with
-``--sampler tpe``) or, as Hugging Face users write it for Ray, return Ray Tune domains
-(``{"learning_rate": tune.loguniform(1e-5, 1e-3)}``); ``model_init(trial)`` and ``hp_name(trial)``
-may index the trial like a dict (``trial["learning_rate"]``).
-
-This module holds the backend's settings and the rounds; private helpers beside it carry the
-rest: `._search` (the space, search algorithms and schedulers in Tune's terms), `._trial` (what
-runs on the workers), `._cluster` (joining a cluster, nodes without ``--output-dir``),
-`._preflight` (what the cluster must offer) and `._stopping` (how a signal, a user error or
-trials Ray cannot place stop a round).
+An executor backend: Tune's search algorithm and scheduler decide what runs, Ray where. The
+driver runs Tune in rounds (each its own Tune experiment in ``<output-dir>/.ray`` or
+``--storage``): first one that runs again the trials the ledger holds as cut short, then rounds
+of the new trials the ledger still needs, until it has ``--n-trials``, the timeout passed or
+too many trials failed. Each trial claims its place from the ledger where it starts
+(`._trial`); after a round the driver tells the ledger what the trials could not record.
 
     $ hpsweep run space.py --backend ray --scheduler asha --n-jobs 4 --address auto
 """
@@ -64,14 +28,15 @@ from ray import tune
 from hpsweep import runs
 from hpsweep.errors import Interrupted, UserError
 from hpsweep.redaction import describe
-from hpsweep.search.backends._base import Backend
+from hpsweep.search.backends._base import Backend, Driver
 from hpsweep.search.backends._ray._cluster import (
     collect_shipped_runs,
     connected,
     output_dir_marker,
-    pickle_space_modules_by_value,
+    pickle_user_code_by_value,
     shipped_record,
     stop_file,
+    trial_store,
 )
 from hpsweep.search.backends._ray._preflight import check_resources, check_storage
 from hpsweep.search.backends._ray._search import (
@@ -86,6 +51,7 @@ from hpsweep.search.backends._ray._search import (
     search_algorithm,
     tune_run_keywords,
     tune_space,
+    warm_records,
     worst_of,
 )
 from hpsweep.search.backends._ray._stopping import (
@@ -98,46 +64,32 @@ from hpsweep.search.backends._ray._stopping import (
 from hpsweep.search.backends._ray._trial import (
     AGAIN_KEY,
     METRIC,
+    NUMBER_KEY,
     USER_ERROR_KEY,
     RoundPlan,
-    number_in_name,
+    config_params,
     record_id,
     this_process,
     trainable,
-    trial_name,
 )
 from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Float, Int
+from hpsweep.search.warm_start import WarmStart
 from hpsweep.train.arguments import apply_params, field_types
 
 EXPERIMENT_DIR = ".ray"
 WAIT_S = 2.0  # how often the driver looks again while only other commands' trials run
-# How long the driver waits, after a round, for its actors to record their trials' endings (after a
-# stop, those on this host; always, the runs shipped from nodes without --output-dir): a stopped
-# trial's actor waits up to 8 s for its ending (see _trial.trainable).
+# How long the driver waits after a round for trials to record their endings (a stopped trial's
+# actor gives its ending up to 8 s, `_trial.trainable`) and for shipped runs to land.
 ENDINGS_WAIT_S = 15.0
 
 
-# --- the backend ----------------------------------------------------------------------------------
-
-
-class RayBackend(Backend):
-    """Search with Ray Tune. Samplers: tpe (default; Optuna's TPE via `OptunaSearch`), random;
-    schedulers: fifo (default), asha, hyperband, pbt. ``--n-jobs`` caps concurrent trials,
-    ``--resources-per-trial cpu=N,gpu=F`` reserves resources for each (fractional GPUs allowed;
-    by default a CPU per process of a ``--processes-per-trial`` trial, which its worker forks).
-
-    Options (``hyperparameter_search(backend="ray", ...)``): ``max_failures`` (Tune's retries of a
-    trial whose worker died, default 1), ``reuse_actors`` (default True), ``max_t`` (evaluations per
-    trial for ASHA/HyperBand), ``reduction_factor``, ``perturbation_interval`` (PBT, in
-    evaluations), ``storage`` (Ray's storage path or URI), ``name`` (the Tune experiments' name),
-    ``checkpoint_config`` (how many of each trial's checkpoints Tune keeps, by which score),
-    ``progress_reporter`` (Tune's table of trials, such as a ``CLIReporter``) and ``stop`` (when a
-    trial ends, as Tune's ``stop=``: `._stopping.StopWhen`). ``scheduler=`` / ``sampler=``
-    (``search_alg=``) take Tune's own objects too, and transformers' other ``tune.run`` keywords
-    are read by `._search.tune_run_keywords`.
-    """
+class RayBackend(Backend, Driver):
+    """Search with Ray Tune (docs/backends.md): samplers tpe (Optuna's TPE through Tune's
+    `OptunaSearch`) and random; schedulers fifo, asha, hyperband and pbt, or Tune's own objects.
+    The options are those of `option_names`; transformers' other ``tune.run`` keywords are read
+    by `._search.tune_run_keywords`."""
 
     name = "ray"
     samplers = ("random", "tpe")
@@ -160,6 +112,8 @@ class RayBackend(Backend):
         "progress_reporter",
         "stop",
     )
+    #: ``--warm-start``'s complete trials, which each round's TPE starts from (`warm_start`).
+    _warm: list[runs.TrialRecord] = []
 
     def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
@@ -169,9 +123,7 @@ class RayBackend(Backend):
         self.resources = _resources(settings)
         self.storage_path = _storage_path(settings)
         self.max_failures = int(settings.options.get("max_failures", 1))
-        # A reused actor skips the worker start and the imports (about 2 s per trial on 2 cores).
-        # reset_config() needs the previous trial's thread to have ended: train_trial leaves with
-        # SystemExit after a stop, so Tune's wrapper never blocks on a last report (see there).
+        # a reused actor skips the worker's start and imports
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
         self.stop_rule = trial_stop_rule(settings.options.get("stop"))
         self.reporter = _progress_reporter(settings.options.get("progress_reporter"))
@@ -185,8 +137,7 @@ class RayBackend(Backend):
             )
 
     def _choose_search(self, settings: SearchOptions) -> None:
-        """Tune's scheduler and search algorithm: objects given as they are (a copy per round),
-        or by name."""
+        """Tune's scheduler and search algorithm: objects (a copy per round), or by name."""
         self.scheduler_object, self.sampler_object = (
             None if isinstance(v, (str, type(None))) else v
             for v in (settings.scheduler, settings.sampler)
@@ -201,7 +152,7 @@ class RayBackend(Backend):
             if self.sampler_object
             else settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
         )
-        # One made with its own metric (PBT(metric="eval_acc", ...)) ranks trials by it, not the objective
+        # one made with its own metric ranks trials by it, not by the objective
         self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
 
     def _check_search(self, settings: SearchOptions) -> None:
@@ -233,9 +184,8 @@ class RayBackend(Backend):
             )
 
     def _checkpoints_kept(self, kept: dict[str, Any]) -> int | None:
-        """How many of each trial's checkpoints Tune keeps: 2, or the user's ``num_to_keep``;
-        all under PBT, which restores a trial from the checkpoint another trial saved some time
-        before (with ``num_to_keep=1``, transformers' PBT loses it and the trial fails)."""
+        """How many of each trial's checkpoints Tune keeps: 2, or the user's ``num_to_keep``; all
+        under PBT, which restores a trial from a checkpoint another trial saved some time before."""
         wanted = kept.get("num_to_keep")
         if wanted is not None and (not isinstance(wanted, int) or wanted < 1):
             raise UserError(f"checkpoint_config num_to_keep={wanted!r}: give a count of 1 or more")
@@ -249,32 +199,33 @@ class RayBackend(Backend):
             )
         return None
 
-    # --- running ------------------------------------------------------------------------------------
-
     @property
     def param_space(self) -> dict[str, Any]:
         if self.native is not None:
             return self.native
         return tune_space(self.settings.space) if self.settings.space is not None else {}
 
-    def run(self, loop: Any) -> None:
+    def drive(self, loop: Any) -> None:
         """Join the cluster, check that it can run the sweep, then run the rounds."""
         runner = self._runner(loop.runner)
         self._job = runner.job
-        _pickle_user_code(loop.runner)
+        job = runner.job
+        pickle_user_code_by_value(
+            [job.model_init, job.hp_space, job.hp_name, job.compute_metrics, job.objective]
+            + [type(job.args), job.trainer_cls, *map(type, job.callbacks)]
+        )
         with connected(self.settings.address, self.resources["cpu"]):
             self._check_cluster()
             with StopSignals() as signals, output_dir_marker(self.settings.output_dir) as marker:
                 self._rounds(loop, runner, signals, marker)
 
     def _check_cluster(self) -> None:
-        """Before any trial: what each trial reserves on this cluster, and that the cluster can
-        run the sweep (see `._preflight`), else one line."""
+        """What each trial reserves on this cluster, and that the cluster can run the sweep."""
         if (
             "gpu" not in self.settings.resources_per_trial
             and ray.cluster_resources().get("GPU", 0) > 0
         ):
-            # A cluster (--address) with GPUs and no gpu= given: a GPU per process, as on one machine.
+            # a cluster with GPUs and no gpu= given: a GPU per process, as on one machine
             self.resources["gpu"] = float(self.settings.processes_per_trial)
         check_resources(self.resources)
         given = self.settings.options.get("storage") or self.settings.storage
@@ -286,6 +237,7 @@ class RayBackend(Backend):
         deadline = loop.deadline_wall
         plan = RoundPlan(
             marker=marker,
+            storage=self.storage_path,
             n_trials=self.settings.n_trials,
             started=loop.started,
             max_failed_trials=self.settings.max_failed_trials,
@@ -300,9 +252,8 @@ class RayBackend(Backend):
             loop.check_failures()
 
     def _runner(self, runner: Any) -> Any:
-        """The trial runner the workers get: with a Tune-domain hp_space, Tune samples the params
-        (the runner must not call hp_space again), and their names must fit the arguments first;
-        with ``stop=``, each trial asks it after each evaluation (`StopWhen`)."""
+        """The runner the workers get: with a Tune-domain hp_space Tune samples the params (checked
+        against the arguments first); with ``stop=`` each trial asks it (`StopWhen`)."""
         job, changes = runner.job, {}
         if self.native is not None:
             apply_params(
@@ -361,8 +312,7 @@ class RayBackend(Backend):
     def _new_search(
         self, records: list[runs.TrialRecord], plan: RoundPlan, new: int, namer: _TrialNamer
     ) -> _RoundSearch:
-        """``new`` new trials, from a fresh copy of the search algorithm and the scheduler
-        (Optuna's TPE starts from the ``records``)."""
+        """``new`` new trials, from fresh copies of the search algorithm and the scheduler."""
         s, param_space = self.settings, self.param_space
         define_by_run = s.hp_space is not None and self.native is None
         search_alg = (
@@ -373,7 +323,7 @@ class RayBackend(Backend):
                 self.sampler_name,
                 param_space,
                 define_by_run,
-                records,
+                [*self._warm, *records],
                 plan.deadline,
                 explicit_metric=self.own_metric is not None,
             )
@@ -404,9 +354,10 @@ class RayBackend(Backend):
         )
         with signals.tune_running():
             results = tuner.fit()
-        trials = results._experiment_analysis.trials
-        _await_shipped_runs(trials, self.settings.output_dir)
-        collect_shipped_runs(trials, self.settings.output_dir)
+        trials = watch.trials
+        stores = {t.trial_id: trial_store(self.storage_path, t) for t in trials}
+        _await_shipped_runs(trials, stores, self.settings.output_dir)
+        collect_shipped_runs(list(stores.values()), self.settings.output_dir)
         self._after_round(ledger, trials, results, stopper, signals)
 
     def _tune_config(self, search: _RoundSearch) -> tune.TuneConfig:
@@ -432,15 +383,11 @@ class RayBackend(Backend):
             name=f"{runs.safe_name(str(s.options.get('name') or s.study_name), 'hpsweep')}-"
             f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
             storage_path=self.storage_path,
-            # A user's reporter prints Tune's table of trials (Tune's legacy output, hpsweep's
-            # default), at the end at least: at 2, whatever verbosity the reporter was made under
+            # a user's reporter prints Tune's table of trials, at the end at least
             verbose=2 if self.reporter else 0,
             stop=stopper,
             callbacks=[watch],
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
-            # Tune's copies of each trial's checkpoints (see _checkpoints_kept); the latest is always
-            # kept. Under PBT a trial restores from a checkpoint another trial saved some time
-            # before; by then that trial may have saved more (Ray warns of num_to_keep <= 2).
             checkpoint_config=tune.CheckpointConfig(
                 num_to_keep=self.num_to_keep,
                 checkpoint_score_attribute=kept.get("score_attribute")
@@ -472,8 +419,6 @@ class RayBackend(Backend):
         )
         return max(1, math.ceil(high))
 
-    # --- after a round ------------------------------------------------------------------------------
-
     def _after_round(
         self,
         ledger: Ledger,
@@ -482,19 +427,16 @@ class RayBackend(Backend):
         stopper: StopOnUserError,
         signals: StopSignals,
     ) -> None:
-        """Tell the ledger what Tune did where a trial could not record it itself (the trials it
-        failed or could not place that have no record, then `FolderSession.settle`), then end the
-        sweep on a user error or a signal; the loop ends it on too many failed trials."""
+        """Tell the ledger what Tune saw that the trials could not record, then end the sweep on a
+        user error or a signal (the loop ends it on too many failed trials)."""
         user_error = next(
             (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
         )
-        # Tune stops every trial the same way (SystemExit in tune.report, status TERMINATED),
-        # whether its scheduler pruned it or the sweep stopped: what ended after the stop was cut
-        # short (a trial that saw the stop file said so itself; one on a node without it could not).
+        # a trial pruned after the sweep's stop was cut short (`FolderSession.settle`)
         stops = [t for t in (signals.stopped_at, stopper.stopped_at) if t is not None]
         ids = [record_id(t) for t in trials]
         if stops:
-            # Tune's fit() returns once it asked the round's actors to stop, not once they are gone
+            # fit() returns once it asked the actors to stop, not once they are gone
             ledger.wait_for_endings(ids, ENDINGS_WAIT_S)
         stuck = stopper.watch.stuck if stopper.watch else set()
         lost = {record_id(t) for t in trials if t.status == "ERROR" or t.trial_id in stuck}
@@ -515,10 +457,9 @@ class RayBackend(Backend):
     def _fail_unrecorded(
         self, session: FolderSession, trials: list[Any], watch: PlacementWatch | None
     ) -> None:
-        """Record as failed the trials of a round that Tune failed (its storage check, an actor
-        that died before the trial took its place in the ledger) or that Ray could not place, and
-        that have no record: they count towards ``--max-failed-trials``, so a cluster that cannot
-        run a trial ends the sweep in one line instead of rounds of trials failing out of sight."""
+        """Record as failed the trials Tune failed before they recorded themselves, or Ray could
+        not place: they count towards ``--max-failed-trials``, so a cluster that cannot run a
+        trial ends the sweep in one line, not in rounds of trials failing out of sight."""
         known = {r.id for r in session.ledger.records(fresh=True)}
         for t in trials:
             if record_id(t) in known:
@@ -533,19 +474,22 @@ class RayBackend(Backend):
                 id=t.trial_id,
                 number=0,
                 backend=self.name,
-                params={k: v for k, v in t.config.items() if k != AGAIN_KEY},
+                params=config_params(t.config),
                 objective_name=self._job.objective_name,
                 directions=list(self.settings.directions),
                 user_attrs={"ray_trial_id": t.trial_id},
             )
-            session.fail_unrecorded(
-                t.trial_id, error=error, template=template, number=number_in_name(str(t))
-            )
+            number = t.config.get(NUMBER_KEY)
+            session.fail_unrecorded(t.trial_id, error=error, template=template, number=number)
+
+    def warm_start(self, warm: WarmStart) -> None:
+        """Each round's TPE starts from the earlier trials as from the sweep's own complete ones
+        (`._search.warm_records`, which refuses a search that takes none)."""
+        self._warm = warm_records(warm, self.settings, self.sampler_name)
 
 
 def _progress_reporter(reporter: Any) -> Any:
-    """A user's Tune progress reporter (``CLIReporter(parameter_columns=..., metric_columns=...)``,
-    as Ray's Hugging Face example passes it), checked."""
+    """A user's Tune progress reporter (a ``CLIReporter``), checked."""
     from ray.tune import ProgressReporter
 
     if reporter is None or isinstance(reporter, ProgressReporter):
@@ -571,8 +515,7 @@ def _tune_error(tune_trial: Any) -> str:
 
 @dataclasses.dataclass
 class _RoundSearch:
-    """What one Tune round tries: its param space, search algorithm, scheduler, number of samples
-    and the namer that numbers its trials."""
+    """What one Tune round tries, and the namer that numbers its trials."""
 
     param_space: dict[str, Any]
     search_alg: Any
@@ -583,8 +526,7 @@ class _RoundSearch:
 
 def _resources(settings: SearchOptions) -> dict[str, float]:
     """What each trial reserves: ``--resources-per-trial``, by default a CPU per process of a
-    data-parallel trial (``--processes-per-trial N`` runs N processes forked by its Tune worker),
-    as the GPUs are one per process (`hpsweep.devices.plan`)."""
+    ``--processes-per-trial`` trial (its Tune worker forks them)."""
     resources = dict(settings.resources_per_trial)
     unknown = sorted(set(resources) - {"cpu", "gpu"})
     if unknown:
@@ -601,10 +543,8 @@ def _resources(settings: SearchOptions) -> dict[str, float]:
 
 def _storage_path(settings: SearchOptions) -> str:
     """Where Tune keeps its experiments: ``--storage`` (a path or a URI), else ``.ray`` in the
-    sweep's home. An object-store home (``--output-dir s3://...``) writes to a staging folder
-    on this machine, which other nodes do not see: on a cluster, Tune's experiments go to
-    ``<home URL>/.ray``, which every node reaches; a local Ray keeps them in the staging folder,
-    where Tune's copy of each checkpoint costs no upload."""
+    sweep's home: at an object-store home's URL on a cluster (other nodes do not see this
+    machine's staging folder), in the staging folder with a local Ray."""
     storage = settings.options.get("storage") or settings.storage
     if storage is not None and not isinstance(storage, (str, os.PathLike)):
         raise UserError(
@@ -621,31 +561,10 @@ def _storage_path(settings: SearchOptions) -> str:
     return str(settings.output_dir / EXPERIMENT_DIR)
 
 
-def _pickle_user_code(runner: Any) -> None:
-    """Ship the space file and the user's own modules to the workers by value."""
-    job = getattr(runner, "job", None)
-    pickle_space_modules_by_value(
-        []
-        if job is None
-        else [
-            job.model_init,
-            job.hp_space,
-            job.hp_name,
-            job.compute_metrics,
-            job.objective,
-            type(job.args),
-            job.trainer_cls,
-            *map(type, job.callbacks),
-        ]
-    )
-
-
 class _TrialNamer:
-    """Numbers and names the trials of a round ``trial-<number>-<id>`` (`trial_name`): a trial run
-    again by its own number, a new one by the order Tune creates them in, from ``first`` (the
-    ledger's `FolderSession.next_number` when the round began). The name is how a worker learns
-    the number: it takes it from the ledger as its preference, or as it is on a node without the
-    ledger (see `._trial`)."""
+    """Numbers a round's trials, ``trial-<number>-<id>`` for Tune's names and folders, and puts
+    the number in the trial's config (`NUMBER_KEY`) for its worker: a trial run again keeps its
+    own, a new one takes the next from ``first`` (`FolderSession.next_number` of the round)."""
 
     def __init__(self, first: int, again: dict[str, int] | None = None) -> None:
         self.next = first
@@ -653,34 +572,28 @@ class _TrialNamer:
         self.numbers: dict[str, int] = {}  # Tune's id of a new trial -> its number
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _TrialNamer:
-        # Tune deep-copies the experiment's spec, this namer in it, for each trial it creates: the
-        # round's trials share one namer, or every new trial would get the number ``first``
-        return self
+        return self  # Tune copies the experiment's spec per trial: the round's trials share one
 
     def __call__(self, trial: Any) -> str:
-        # Tune calls it twice per trial, for its name and its folder's
         number = self.again.get(trial.config.get(AGAIN_KEY))
         if number is None:
             if trial.trial_id not in self.numbers:
                 self.numbers[trial.trial_id] = self.next
                 self.next += 1
             number = self.numbers[trial.trial_id]
-        return trial_name(number, trial.trial_id)
+        trial.config[NUMBER_KEY] = number
+        return f"trial-{number}-{trial.trial_id}"
 
 
 def _await_shipped_runs(
-    tune_trials: list[Any], output_dir: Path, timeout: float = ENDINGS_WAIT_S
+    tune_trials: list[Any],
+    stores: dict[str, Any],
+    output_dir: Path,
+    timeout: float = ENDINGS_WAIT_S,
 ) -> None:
-    """Wait until every trial of a round that trained has a record, up to ``timeout`` seconds.
-
-    A trial on a node without ``--output-dir`` records its ending in a node-local folder and ships
-    it through Ray's storage (`NodeLocalRuns.ship`) on the actor's way out, which can come after
-    Tune's ``fit()`` has returned (Tune stops a trial without waiting for it; an ASHA-pruned
-    trial's ship was seen landing 0.1 s after the round ended). Collecting before it landed would
-    lose that trial's record, and the next round would train another trial in its place. A trial
-    that trained (reported a result) and whose worker did not die has its record in
-    ``--output-dir`` (it ran on a node that sees it) or shipped.
-    """
+    """Wait, up to ``timeout``, until every trial of a round that trained and whose worker lived
+    has a record in ``--output-dir`` or shipped one (`NodeLocalRuns.ship`): Tune ends a round
+    without waiting for its stopped trials, whose ship may land after ``fit()`` returned."""
 
     def pending() -> list[Any]:
         here = {r.id for r in runs.read_trials(output_dir)}
@@ -691,7 +604,10 @@ def _await_shipped_runs(
             and METRIC in (t.last_result or {})
             and USER_ERROR_KEY not in t.last_result
             and record_id(t) not in here
-            and ((shipped := shipped_record(t)) is None or shipped.state == "running")
+            and (
+                (shipped := shipped_record(stores[t.trial_id])) is None
+                or shipped.state == "running"
+            )
         ]
 
     deadline = time.monotonic() + timeout

@@ -1,24 +1,12 @@
-"""Where Ray trials run, for the Ray Tune backend: joining a cluster or starting a local Ray, and
-carrying run folders from nodes that do not see ``--output-dir``.
-
-A private helper of the Ray Tune backend `hpsweep.search.backends._ray` (with `._trial`, the code
-that runs on the workers); nothing here decides what to try.
-
-- `connected` joins ``--address`` (checked first, so a wrong address is one line within seconds,
-  not minutes of Ray's retries) or starts a local Ray, with Ray's token authentication (its
-  processes listen on every interface), that dies with the command: a ``kill -9`` of the
-  command takes its Ray processes along (see `_WATCHDOG`).
-- `NodeLocalRuns`: a trial on a node that does not see the driver's ``--output-dir`` writes a
-  node-local run folder and ships it through Ray's storage; `collect_shipped_runs` copies it into
-  ``--output-dir`` on the driver when the Tune round ends.
-"""
+"""Where Ray trials run: joining a cluster or starting a local Ray (`connected`), shipping the
+user's code to the workers, and the runs of nodes that do not see ``--output-dir``, shipped
+through Ray's storage with the remote-home code (`hpsweep.runs.RemoteHome`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -33,28 +21,23 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray import tune
 
 from hpsweep import runs
 from hpsweep.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
-#: Ray's switch for token authentication (see `_restore_auth_mode`).
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
-# In --output-dir: a file per command, named by a token, by which a worker tells whether it sees the
-# driver's folder (one per command: two commands may share the folder).
+# A file per command in --output-dir, named by a token: a worker that sees it sees the driver's folder.
 MARKER_PREFIX = ".hpsweep-ray-marker-"
-# A trial's run folder, shipped from a node without --output-dir, in the trial's folder in Ray's storage.
+# A trial's run, shipped from a node without --output-dir, in the trial's folder in Ray's storage.
 SHIPPED_RUN_DIR = "hpsweep-run"
-# On a worker: write run folders under this node-local folder even when --output-dir is visible
-# (a node without the shared mount, as tests simulate it).
+# On a worker: write runs in this node-local folder even where --output-dir is visible (tests).
 LOCAL_RUNS_ENV = "HPSWEEP_RAY_LOCAL_RUNS"
-# Set on the workers: with reuse_actors, how long reset_config() waits for a stopped trial to record itself.
+# With reuse_actors, how long reset_config() waits for a stopped trial to record itself.
 WORKER_ENV = {"TUNE_FUNCTION_THREAD_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "1"}
-
-# Quiet Ray's console and skip work hpsweep does not need (per-trial CSV/JSON/TensorBoard
-# loggers, usage reporting); users may still override each of these in their environment.
-# Tune's strict metric check is off because hpsweep itself reports results without the objective
-# (a failed trial, a user error), on purpose.
+# Ray's console quiet, no per-trial loggers or usage reporting; Tune's strict metric check off, as
+# a failed trial or a user error reports no objective. A user's own setting of each wins.
 QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
@@ -66,16 +49,13 @@ QUIET_ENV = {
 }
 
 
-# --- connecting -------------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def connected(address: str | None, cpus: float) -> Iterator[None]:
     """Join ``address`` (auto, HOST:PORT, ray://HOST:10001) or start a local Ray with at least
-    ``cpus`` CPUs; a Ray the caller connected already is used as it is and left running."""
+    ``cpus`` CPUs that dies with the command; a Ray the caller connected is used as it is."""
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    if ray.is_initialized():  # a Python API user connected already
+    if ray.is_initialized():
         yield
         return
     kwargs: dict[str, Any] = dict(
@@ -99,12 +79,11 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         ray.shutdown()
         _restore_auth_mode(auth_mode)
         if watchdog is not None:
-            watchdog.stdin.close()  # type: ignore[union-attr]  # the watchdog reaps what shutdown left
+            watchdog.stdin.close()  # type: ignore[union-attr]  # it reaps what shutdown left
             watchdog.wait()
 
 
 def _join(address: str, kwargs: dict[str, Any]) -> None:
-    """Join the cluster at ``address``, checked first; a failure is one line."""
     check_reachable(address)
     try:
         ray.init(address=address, **kwargs)
@@ -121,58 +100,49 @@ def _join(address: str, kwargs: dict[str, Any]) -> None:
 def _start_local(
     cpus: float, kwargs: dict[str, Any], auth_mode: str | None
 ) -> subprocess.Popen | None:
-    """Start a Ray on this machine; returns its watchdog (`_WATCHDOG`).
-
-    Its GCS, raylet and workers listen on every interface, whatever node address they are
-    given, so it runs with Ray's token authentication, Ray's own default for a new local
-    cluster, also where ``RAY_AUTH_MODE=disabled`` is set (for another cluster): a request
-    without the token (``~/.ray/auth_token``, which Ray writes if missing, or ``RAY_AUTH_TOKEN``)
-    is refused. `_restore_auth_mode` puts the setting back after the sweep."""
+    """Start a Ray on this machine, with token authentication: its processes listen on every
+    interface whatever address they are given. Ray turns tokens on for a new local cluster when
+    ``RAY_AUTH_MODE`` is unset, so a ``disabled`` (meant for another cluster) is cleared."""
     if (auth_mode or "").lower() != "token":
-        os.environ.pop(AUTH_MODE_ENV, None)  # unset: Ray switches it on for a new local cluster
-    ray.init(
+        os.environ.pop(AUTH_MODE_ENV, None)
+    context = ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, math.ceil(cpus)),
         include_dashboard=False,
+        # Private: ray.init takes the local node's address only as this underscored argument.
         _node_ip_address="127.0.0.1",
         **kwargs,
     )
-    return _start_watchdog()
+    return _start_watchdog(str(context.address_info.get("session_dir") or ""))
 
 
 def _restore_auth_mode(before: str | None) -> None:
-    """Undo what a local ``ray.init()`` leaves in the process. Ray 2.60 turns token
-    authentication on for a new local cluster (``RAY_AUTH_MODE=token`` in ``os.environ``, the
-    token cached in the process; `_start_local` clears a ``disabled`` first), and
-    ``ray.shutdown()`` keeps both. A later
-    ``ray.init(address=...)`` in the same process, on a cluster without token authentication
-    (the next sweep, a Ray client server), then starts a driver whose RPC server wants a token
-    the cluster never sends: the cluster takes every actor the driver owns for unreferenced and
-    cancels it ("The actor never ran - it was cancelled before it started running"), and each
-    trial of that sweep fails."""
+    """Put ``RAY_AUTH_MODE`` back, and drop the token Ray cached in the process: ``ray.shutdown()``
+    keeps both, and a later ``ray.init(address=...)`` here on a cluster without tokens would
+    start a driver that wants a token the cluster never sends (its actors are cancelled)."""
     if os.environ.get(AUTH_MODE_ENV) == before:
         return
     if before is None:
         os.environ.pop(AUTH_MODE_ENV, None)
     else:
         os.environ[AUTH_MODE_ENV] = before
-    with contextlib.suppress(Exception):  # refreshed as Ray's own token setup does
+    with contextlib.suppress(Exception):
+        # Private: Ray offers no public way to drop its cached token; this is how its own
+        # token setup refreshes it.
         from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
 
 
-# Ray's local processes mostly die with the driver: the raylet and its workers at once, but its
-# dashboard and runtime-env agents wait about a minute on the dead GCS first. This watchdog, a
-# child of the driver in a session of its own, remembers the driver's Ray processes and stops them
-# when its pipe from the driver closes: at the end of the sweep, or when the driver died (kill -9,
-# of the command or its process group, the OOM killer).
+# A local Ray's dashboard and runtime-env agents outlive a dead driver by about a minute. This
+# watchdog, a child of the driver in a session of its own, notes the driver's Ray processes and
+# stops them when its pipe from the driver closes: at the sweep's end or when the driver died.
 _WATCHDOG = r"""
 import os, select, signal, sys
 import psutil
 
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is the driver's to handle
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 driver, session = psutil.Process(int(sys.argv[1])), sys.argv[2]
 seen = {}
@@ -210,14 +180,10 @@ for p in psutil.wait_procs(alive, timeout=3)[1]:
 """
 
 
-def _start_watchdog() -> subprocess.Popen | None:
-    try:
-        session = ray._private.worker.global_worker.node.get_session_dir_path()
-    except Exception:  # a private API: without it the watchdog goes by process names alone
-        session = ""
+def _start_watchdog(session_dir: str) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), session],
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), session_dir],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -228,7 +194,7 @@ def _start_watchdog() -> subprocess.Popen | None:
 
 
 def check_reachable(address: str) -> None:
-    """Fail within seconds when nothing listens at ``address`` (Ray itself would retry for minutes)."""
+    """Fail within seconds when no Ray listens at ``address`` (Ray would retry for minutes)."""
     if address == "auto":
         address = os.environ.get("RAY_ADDRESS") or _current_cluster() or ""
         if not address:
@@ -238,18 +204,18 @@ def check_reachable(address: str) -> None:
             )
         if address.startswith("ray://") or ":" not in address:
             return
-    target = address.split("://", 1)[-1]
-    host, _, port = target.rpartition(":")
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--address {address!r} is not auto, HOST:PORT or ray://HOST:10001")
     try:
         speaks_grpc = _speaks_grpc(host, int(port))
     except OSError as exc:
         raise UserError(
-            f"--address {address}: no Ray cluster answers there ({exc.strerror or type(exc).__name__}); "
-            "check the address, that the head node runs (`ray status`) and that its port is open"
+            f"--address {address}: no Ray cluster answers there "
+            f"({exc.strerror or type(exc).__name__}); check the address, that the head node "
+            "runs (`ray status`) and that its port is open"
         ) from None
-    if not speaks_grpc:  # ray.init would wait on it for minutes
+    if not speaks_grpc:
         raise UserError(
             f"--address {address}: something listens there but it is not a Ray cluster (no gRPC "
             "answer); give the head node's GCS port (`ray status` on the head prints it, 6379 by "
@@ -257,25 +223,21 @@ def check_reachable(address: str) -> None:
         )
 
 
-# + an empty SETTINGS frame
+# HTTP/2's client preface and an empty SETTINGS frame
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def _speaks_grpc(host: str, port: int) -> bool:
-    """Whether ``host:port`` answers like a gRPC server (Ray's GCS and Ray Client are both gRPC):
-    an HTTP/2 server's first frame is SETTINGS. Raises OSError when nothing accepts the connection."""
-    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-            return True  # the server waits for a TLS hello, not a preface: an open port is all we check
+    """Whether ``host:port`` answers as a gRPC server does (Ray's GCS and Ray Client): its first
+    frame is SETTINGS. Raises OSError when nothing accepts the connection."""
     with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return True  # the server waits for a TLS hello: an open port is all we check
         sock.settimeout(CONNECT_TIMEOUT_S)
         header = b""
         try:
             sock.sendall(_H2_PREFACE)
-            while len(header) < 9:
-                chunk = sock.recv(9 - len(header))
-                if not chunk:
-                    break
+            while len(header) < 9 and (chunk := sock.recv(9 - len(header))):
                 header += chunk
         except OSError:  # silence until the timeout, or a reset: not gRPC
             return False
@@ -284,6 +246,7 @@ def _speaks_grpc(host: str, port: int) -> bool:
 
 def _current_cluster() -> str | None:
     try:
+        # Private: Ray offers no public way to read the address `ray start` left on this machine.
         from ray._private.utils import read_ray_address
 
         return read_ray_address()
@@ -300,11 +263,10 @@ def _reason(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
-    """Space files are imported under synthetic module names that workers cannot import: ship them
-    (and helper modules imported from their folder) by value. So are the modules of an API user's
-    own code (``user_objects``: model_init, hp_space, the args and trainer classes, ...) that are
-    not installed packages: a worker's Python need not find a script's or a test's folder."""
+def pickle_user_code_by_value(user_objects: Any = ()) -> None:
+    """Ship by value what workers cannot import: space files (imported under synthetic names),
+    the modules of ``user_objects`` that are no installed package (a script's, a test's), and
+    the modules imported from those folders."""
     from ray import cloudpickle
 
     folders = set()
@@ -316,16 +278,11 @@ def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
     for obj in user_objects:
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         file = getattr(module, "__file__", None)
-        if (
-            module is None
-            or not file
-            or module.__name__ == "__main__"
-            or _installed(file)
-            or module.__name__.split(".")[0] == "hpsweep"
-        ):
+        if module is None or not file or module.__name__ == "__main__" or _installed(file):
             continue
-        cloudpickle.register_pickle_by_value(module)
-        folders.add(Path(file).resolve().parent)
+        if module.__name__.split(".")[0] != "hpsweep":
+            cloudpickle.register_pickle_by_value(module)
+            folders.add(Path(file).resolve().parent)
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if (
@@ -339,11 +296,10 @@ def pickle_space_modules_by_value(user_objects: Any = ()) -> None:
 
 
 def _installed(file: str) -> bool:
-    """Whether ``file`` belongs to an installed package or the standard library (workers import those)."""
     return "site-packages" in file or "dist-packages" in file or file.startswith(sys.base_prefix)
 
 
-# --- nodes without --output-dir ---------------------------------------------------------------------
+# --- nodes without --output-dir ---------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -360,137 +316,96 @@ def output_dir_marker(output_dir: Path) -> Iterator[str]:
 
 
 def sees_output_dir(output_dir: Path, marker: str) -> bool:
-    """Whether this node sees the driver's ``--output-dir`` (and may write and lock there)."""
     return not os.environ.get(LOCAL_RUNS_ENV) and (output_dir / f"{MARKER_PREFIX}{marker}").exists()
 
 
 def stop_file(output_dir: Path, marker: str) -> Path:
-    """Written by the driver when it stops a round (Ctrl-C, SIGTERM, a user error): Tune stops a
-    trial the same way whether its scheduler prunes it or the sweep stops, and a trial that finds
-    this file knows that it was cut short, not pruned."""
+    """Written by the driver when it stops a round: a trial Tune stops finds it, and knows it was
+    cut short, not pruned."""
     return output_dir / f"{MARKER_PREFIX}{marker}.stop"
 
 
+def store_at(storage: str, path: str) -> runs.RemoteHome:
+    """The folder ``path`` (as Tune names it, without a scheme) of Ray's storage ``storage``."""
+    scheme = storage.split("://", 1)[0] if "://" in storage else "file"
+    return runs.RemoteHome(f"{scheme}://{path}")
+
+
 class NodeLocalRuns:
-    """A trial's run folder on a node without ``--output-dir``, shipped through Ray's storage.
+    """A trial on a node without ``--output-dir`` trains in a folder of its own
+    (``$HPSWEEP_RAY_LOCAL_RUNS`` or the temp dir) and ships its run to its trial's folder in
+    Ray's storage when it ends; starting again, it first gets back what it shipped last."""
 
-    The trial trains into ``<HPSWEEP_RAY_LOCAL_RUNS or the temp dir>/hpsweep-<experiment>-<token>/<trial id>/``
-    (its own ``--output-dir`` there); when it ends, its run folder replaces
-    ``<trial folder in Ray's storage>/hpsweep-run/`` and the node-local copy is deleted. A trial that
-    starts again on such a node (a Tune retry, a PBT exploit, a trial run again after the command
-    was stopped) first gets back the folder it shipped last, if it shipped one.
-    """
-
-    def __init__(self, runner: Any, marker: str, ctx: Any) -> None:
-        job = runner.job
+    def __init__(self, runner: Any, marker: str, storage: str) -> None:
+        ctx = tune.get_context()
         experiment = runs.safe_name(ctx.get_experiment_name(), "sweep")
-        base = os.environ.get(LOCAL_RUNS_ENV) or tempfile.gettempdir()
-        self.folder = (
-            Path(base).resolve() / f"hpsweep-{experiment}-{marker[:12]}" / ctx.get_trial_id()
-        )
+        base = Path(os.environ.get(LOCAL_RUNS_ENV) or tempfile.gettempdir()).resolve()
+        self.folder = base / f"hpsweep-{experiment}-{marker[:12]}" / ctx.get_trial_id()
+        job = runner.job
         self.runner = copy.copy(runner)
         self.runner.job = dataclasses.replace(
             job, args=job.args.replace(output_dir=str(self.folder))
         )
-        storage = ctx.get_storage()
-        self.fs = storage.storage_filesystem
-        self.remote = f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
+        self.storage = storage
+        root = storage.split("://", 1)[-1].rstrip("/")
+        trial_dir = f"{ctx.get_experiment_name()}/{Path(ctx.get_trial_dir()).name}"
+        self.store = store_at(storage, f"{root}/{trial_dir}")
 
-    def fetch(self, remote: str | None = None) -> runs.TrialRecord | None:
-        """Bring back the run folder shipped to ``remote`` (default: this Tune trial's), if any;
-        returns its record, pointing at the node-local copy."""
-        from ray.train._internal.storage import _download_from_fs_path
-
-        shutil.rmtree(self.folder, ignore_errors=True)  # a leftover of a worker that died mid-trial
-        remote = remote or self.remote
-        record = remote_record(self.fs, remote)
+    def fetch(self, shipped_to: str | None = None) -> runs.TrialRecord | None:
+        """The run shipped to ``shipped_to`` (default: this Tune trial's), back on this node;
+        its record, pointing here."""
+        shutil.rmtree(self.folder, ignore_errors=True)  # a worker that died mid-trial left it
+        store = self.store
+        if shipped_to is not None:
+            store = store_at(self.storage, shipped_to.rsplit("/", 1)[0])
+        record = store.read_record(SHIPPED_RUN_DIR)
         if record is not None:
-            record.run_dir = str(
-                self.folder / runs.safe_name(Path(record.run_dir).name, f"run-{record.id}")
-            )
-            _download_from_fs_path(self.fs, remote, record.run_dir, filelock=False)
-            record.save()  # with this node's path
+            name = runs.safe_name(Path(record.run_dir).name, f"run-{record.id}")
+            record.run_dir = str(self.folder / name)
+            store.get_run(SHIPPED_RUN_DIR, Path(record.run_dir))
+            record.save()
         return record
 
     def ship(self, run_dir: Path) -> None:
-        from ray.train._internal import storage as ray_storage
-
         try:
             record = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
             if record is None:
-                return  # nothing was recorded (a UserError before training): nothing to ship
-            record.user_attrs.update(ray_shipped_from=record.run_dir, ray_shipped_to=self.remote)
+                return  # nothing was recorded (a UserError before training)
+            shipped_to = f"{self.store.root}/{SHIPPED_RUN_DIR}"
+            record.user_attrs.update(ray_shipped_from=record.run_dir, ray_shipped_to=shipped_to)
             record.save()
-            if ray_storage._exists_at_fs_path(self.fs, self.remote):
-                # drop checkpoints rotated away since the last trip
-                ray_storage._delete_fs_path(self.fs, self.remote)
-            # trial.json last: whoever sees it in Ray's storage sees the whole folder (`shipped_record`)
-            for entry in sorted(Path(record.run_dir).iterdir()):
-                if entry.name != runs.TRIAL_FILE:
-                    ray_storage._upload_to_fs_path(
-                        str(entry), self.fs, f"{self.remote}/{entry.name}"
-                    )
-            ray_storage._upload_to_fs_path(
-                str(Path(record.run_dir) / runs.TRIAL_FILE),
-                self.fs,
-                f"{self.remote}/{runs.TRIAL_FILE}",
-            )
+            self.store.put_run(Path(record.run_dir), SHIPPED_RUN_DIR)
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):
-                self.folder.parent.rmdir()  # the sweep's folder on this node, once its last trial ended
+                self.folder.parent.rmdir()  # the sweep's folder on this node, after its last trial
 
 
-def remote_record(fs: Any, remote: str) -> runs.TrialRecord | None:
-    """The trial.json a trial shipped to ``remote`` (a folder in Ray's storage), if any."""
+def trial_store(storage: str, tune_trial: Any) -> runs.RemoteHome | None:
+    """The folder of ``tune_trial`` in Ray's storage; None for a trial that never got one."""
     try:
-        with fs.open_input_stream(f"{remote}/{runs.TRIAL_FILE}") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError):
+        path = tune_trial.path
+    except Exception:  # Tune names the folder when the trial first starts
         return None
-    known = {k: v for k, v in data.items() if k in runs.TrialRecord.__dataclass_fields__}
-    try:
-        return runs.TrialRecord(**known)
-    except TypeError:
-        return None
+    return store_at(storage, path) if path else None
 
 
-def _freshness(record: runs.TrialRecord) -> tuple[float, bool, float]:
-    """Which of two records of one trial is newer: the later run, then an ended one."""
-    return record.started_at, record.state != "running", record.finished_at or 0.0
+def shipped_record(store: runs.RemoteHome | None) -> runs.TrialRecord | None:
+    return store.read_record(SHIPPED_RUN_DIR) if store is not None else None
 
 
-def _shipped_to(tune_trial: Any) -> tuple[Any, str] | None:
-    """(filesystem, path) of the folder in Ray's storage ``tune_trial`` ships its run to."""
-    storage = tune_trial.storage
-    if storage is None or not storage.trial_dir_name:  # a trial that never started has no folder
-        return None
-    return storage.storage_filesystem, f"{storage.trial_fs_path.rstrip('/')}/{SHIPPED_RUN_DIR}"
-
-
-def shipped_record(tune_trial: Any) -> runs.TrialRecord | None:
-    """The record ``tune_trial`` shipped through Ray's storage from a node without ``--output-dir``, if any."""
-    where = _shipped_to(tune_trial)
-    return remote_record(*where) if where else None
-
-
-def collect_shipped_runs(tune_trials: list[Any], output_dir: Path) -> None:
-    """Copy the run folders that ``tune_trials`` on nodes without ``--output-dir`` shipped through
-    Ray's storage into ``--output-dir`` (unless it holds a newer record of the trial), and promote them."""
-    from ray.train._internal.storage import _download_from_fs_path
-
-    for tune_trial in tune_trials:
-        where = _shipped_to(tune_trial)
-        shipped = remote_record(*where) if where else None
-        if shipped is None:
+def collect_shipped_runs(stores: list[runs.RemoteHome | None], output_dir: Path) -> None:
+    """Copy the runs shipped to ``stores`` into ``--output-dir`` (unless it holds a newer record
+    of the trial), and promote them."""
+    for store in stores:
+        shipped = shipped_record(store)
+        if store is None or shipped is None:
             continue
-        fs, remote = where
         target = runs.run_dir_for(output_dir, shipped.id, Path(shipped.run_dir).name)
         here = runs.TrialRecord.load(target / runs.TRIAL_FILE)
         if here is not None and here.id == shipped.id and _freshness(here) >= _freshness(shipped):
             continue
-        with runs.atomic_dir(target) as tmp:
-            _download_from_fs_path(fs, remote, str(tmp), filelock=False)
+        store.get_run(SHIPPED_RUN_DIR, target)
         record = runs.TrialRecord.load(target / runs.TRIAL_FILE)
         if record is None:
             continue
@@ -498,3 +413,8 @@ def collect_shipped_runs(tune_trials: list[Any], output_dir: Path) -> None:
         record.save()
         if record.state == "complete" and record.objective is not None:
             runs.promote_if_best(output_dir, record)
+
+
+def _freshness(record: runs.TrialRecord) -> tuple[float, bool, float]:
+    """Which of two records of one trial is newer: the later run, then an ended one."""
+    return record.started_at, record.state != "running", record.finished_at or 0.0

@@ -1,17 +1,7 @@
-"""What a Ray cluster must offer before the Ray Tune backend starts a trial, checked once per
-command, right after joining it. A private helper of `hpsweep.search.backends._ray`.
-
-- `check_resources`: some live node can hold one trial (``--resources-per-trial``); otherwise Tune
-  would wait for ever, only logging a warning now and then.
-- `check_storage`: on a cluster of several nodes, every live node reaches Ray's storage
-  (``--storage``, else ``<output-dir>/.ray``), as Tune reaches it: its trials on other nodes
-  persist their checkpoints and ship their run folders there. A node that cannot fails each of
-  its trials in Tune's storage check, out of the ledger's sight. Each node (the driver's too: which
-  node a driver joined says nothing of what it sees) runs one tiny Ray task, pinned to it and
-  taking no CPU, that reads a probe file the driver wrote, through the filesystem Tune resolves
-  from the same path (pyarrow's), then writes its own beside it, which the driver must see.
-
-A refusal is one line (`UserError`) naming the node and the fix, and leaves nothing behind.
+"""What a Ray cluster must offer before any trial, checked once per command: some live node can
+hold a trial (`check_resources`; Tune would wait for ever), and on several nodes each reaches
+Ray's storage (`check_storage`; a node that cannot fails its trials in Tune's storage check, out
+of the ledger's sight). A refusal is one line naming the node and the fix, and leaves nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +9,12 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+import pyarrow.fs
 import ray
 
 from hpsweep.errors import UserError
+from hpsweep.redaction import redact_url
 
 PROBE_PREFIX = ".hpsweep-storage-check-"
 # How long a node's probe may take: a worker process to start on a busy node, pyarrow to import.
@@ -36,13 +27,11 @@ def live_nodes() -> list[dict[str, Any]]:
 
 
 def autoscaling() -> bool:
-    """Whether an autoscaler may add nodes: the Ray cluster launcher leaves its config on the head
-    (the test Tune itself uses before it calls a cluster too small)."""
+    """Whether an autoscaler may add nodes: the cluster launcher leaves its config on the head."""
     return Path("~/ray_bootstrap_config.yaml").expanduser().exists()
 
 
 def fits(node: dict[str, Any], resources: dict[str, float]) -> bool:
-    """Whether ``node`` (one of `ray.nodes`) could hold a trial that reserves ``resources``."""
     offers = node.get("Resources", {})
     return offers.get("CPU", 0) >= resources["cpu"] and offers.get("GPU", 0) >= resources["gpu"]
 
@@ -52,7 +41,6 @@ def describe(resources: dict[str, float]) -> str:
 
 
 def offers(nodes: list[dict[str, Any]]) -> str:
-    """What each node offers a trial, for a message: ``IP cpu=N,gpu=N`` each."""
     return ", ".join(
         f"{n['NodeManagerAddress']} "
         + describe({"cpu": n["Resources"].get("CPU", 0), "gpu": n["Resources"].get("GPU", 0)})
@@ -61,7 +49,6 @@ def offers(nodes: list[dict[str, Any]]) -> str:
 
 
 def check_resources(resources: dict[str, float]) -> None:
-    """Refuse a sweep whose trials no live node can ever hold (unless an autoscaler may add one)."""
     nodes = live_nodes()
     if any(fits(n, resources) for n in nodes) or autoscaling():
         return
@@ -73,20 +60,19 @@ def check_resources(resources: dict[str, float]) -> None:
 
 
 def check_storage(storage_path: str, given: bool) -> None:
-    """Refuse a sweep on several nodes when one of them does not reach Ray's storage, the way Tune
-    does (see the module's docstring). ``given``: the path came from ``--storage``."""
+    """On several nodes, each node runs a task pinned to it that reads a probe file the driver
+    wrote there and writes its own beside it, which the driver must see; through pyarrow's
+    filesystem for the path, as Tune resolves it. ``given``: the path came from ``--storage``."""
     nodes = live_nodes()
     if len(nodes) < 2:
         return
-    from ray.train._internal.storage import get_fs_and_path
-
     where = (
-        f"--storage {shown(storage_path)}"
+        f"--storage {redact_url(storage_path)}"
         if given
         else f"Ray's storage {storage_path} (--output-dir/.ray, as no --storage was given)"
     )
     try:
-        fs, root = get_fs_and_path(storage_path)
+        fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
     except Exception as exc:  # pyarrow: an unknown scheme, a malformed URI
         raise UserError(
             f"{where}: not a path or URI Ray can use ({_line(exc)}); {STORAGE_FIX}"
@@ -149,12 +135,9 @@ def _probe_nodes(
 
 
 def reach_storage(storage_path: str, probe: str, token: str, node_id: str) -> str | None:
-    """On one node: read the driver's probe and write this node's beside it, through the
-    filesystem Tune resolves from ``storage_path``. Returns why it cannot, or None."""
-    from ray.train._internal.storage import get_fs_and_path
-
+    """On one node: read the driver's probe, write this node's beside it; why it cannot, or None."""
     try:
-        fs, _ = get_fs_and_path(storage_path)
+        fs, _ = pyarrow.fs.FileSystem.from_uri(storage_path)
         with fs.open_input_stream(probe) as f:
             seen = f.read().decode()
     except FileNotFoundError:
@@ -176,8 +159,6 @@ def _write(fs: Any, path: str, text: str) -> None:
 
 
 def _exists(fs: Any, path: str) -> bool:
-    import pyarrow.fs
-
     try:
         return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
     except OSError:
@@ -185,8 +166,7 @@ def _exists(fs: Any, path: str) -> bool:
 
 
 def _missing_top(fs: Any, path: str) -> str | None:
-    """The outermost folder of ``path`` that does not exist yet (None: it exists), which the check
-    removes again so that a refusal leaves nothing behind."""
+    """The outermost missing folder of ``path`` (None: it exists), removed again after the check."""
     top = None
     while path and not _exists(fs, path):
         top, parent = path, path.rsplit("/", 1)[0]
@@ -207,15 +187,6 @@ def _remove(fs: Any, files: list[str], folder: str | None) -> None:
             fs.delete_dir(folder)
         except OSError:
             pass
-
-
-def shown(url: str) -> str:
-    """``url`` with any password in it as ``***``."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _line(exc: BaseException) -> str:

@@ -1,11 +1,7 @@
-"""What to try, in Ray Tune's terms, for the Ray Tune backend: the space as Tune domains, an
-``hp_space`` of Tune domains, and Tune's search algorithms and schedulers as hpsweep uses them.
-A private helper of the Ray Tune backend `hpsweep.search.backends._ray`.
-
-Tune's search algorithms are adapted in three ways: they stop suggesting at ``--timeout``; a
-trial that gave no result (it failed, or the ledger had no place for it) is told to Optuna as
-FAIL, which TPE ignores, not as its stand-in objective; and a round's TPE starts from the
-results of the trials that earlier rounds (or commands) completed.
+"""What to try, in Ray Tune's terms: the space as Tune domains, Tune's search algorithms and
+schedulers, transformers' ``tune.run`` keywords. Both search algorithms stop suggesting at
+``--timeout``; hpsweep's TPE tells Optuna a trial without a result as FAIL (which TPE ignores)
+and starts from the results of the trials earlier rounds completed.
 """
 
 from __future__ import annotations
@@ -27,13 +23,12 @@ from hpsweep.errors import UserError
 from hpsweep.search.backends._ray._trial import FAILED_KEY, METRIC, USER_ERROR_KEY
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
+from hpsweep.search.warm_start import WarmStart, whole_trials_only
 from hpsweep.train.arguments import FIELD_NAMES
-
-# --- the space -----------------------------------------------------------------------------------
 
 
 def tune_domain(dist: Distribution) -> Any:
-    """A backend-neutral distribution as a Ray Tune search-space domain (same bounds, both included)."""
+    """A distribution as a Tune domain (same bounds, both included)."""
     if isinstance(dist, Float):
         if dist.log:
             return tune.loguniform(dist.low, dist.high)
@@ -64,8 +59,8 @@ def tune_space(space: dict[str, Distribution]) -> dict[str, Any]:
 
 
 def native_space(hp_space: Callable[[Any], Any] | None) -> dict[str, Any] | None:
-    """What ``hp_space(None)`` returns when it is a dict of Ray Tune domains (Hugging Face calls a
-    Ray ``hp_space`` so), else None: the function is define-by-run."""
+    """``hp_space(None)`` when it is a dict of Tune domains (as Hugging Face calls a Ray
+    ``hp_space``), else None: the function is define-by-run."""
     if hp_space is None:
         return None
     try:
@@ -81,9 +76,6 @@ def _is_domain(value: Any) -> bool:
     return isinstance(value, Domain) or (isinstance(value, dict) and set(value) == {"grid_search"})
 
 
-# --- search algorithms and schedulers ---------------------------------------------------------
-
-
 def search_algorithm(
     settings: SearchOptions,
     sampler: str,
@@ -94,14 +86,13 @@ def search_algorithm(
     *,
     explicit_metric: bool = False,
 ) -> Any:
-    """Tune's search algorithm for one round of new trials: random, or Optuna's TPE warm-started
-    from the complete ``records`` (seeded past them, so a later round draws other params).
-    ``explicit_metric``: the round's config names no metric (a user's scheduler has its own), so
-    TPE is told hpsweep's objective itself."""
+    """A round's search algorithm: random, or TPE started from the complete ``records`` (seeded
+    past them, so a later round draws other params). ``explicit_metric``: the round's config
+    names no metric (a user's scheduler has its own), so TPE is told the objective itself."""
     s = settings
     seed = None if s.seed is None else s.seed + len(records)
     if sampler == "random":
-        # Tune ignores max_concurrent_trials for a variant generator it did not make itself.
+        # Tune ignores max_concurrent_trials for a variant generator it did not make
         return VariantGenerator(deadline, random_state=seed, max_concurrent=s.n_jobs)
     import optuna
 
@@ -140,7 +131,7 @@ def search_algorithm(
 def scheduler(
     settings: SearchOptions, name: str, param_space: dict[str, Any], budget: int | None
 ) -> Any:
-    """Tune's trial scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
+    """Tune's scheduler ``name``; ``budget``: the evaluations of a full trial, when known."""
     from ray.tune.schedulers import (
         ASHAScheduler,
         FIFOScheduler,
@@ -151,7 +142,7 @@ def scheduler(
     opts = settings.options
     eta = opts.get("reduction_factor", 3)
     if name == "asha":
-        # Rungs at 1, eta, eta^2, ... evaluations; max_t beyond the budget so no trial is cut at its end.
+        # rungs at 1, eta, eta^2, ...; max_t past the budget, so no trial is cut at its end
         return ASHAScheduler(
             time_attr="training_iteration",
             grace_period=1,
@@ -182,11 +173,9 @@ def scheduler(
     return FIFOScheduler()
 
 
-# Both search algorithms stop suggesting at the deadline (--timeout), so that a round with many
-# trials left ends when its running trials do, not after Tune started each of them for nothing.
-
-
 class VariantGenerator(BasicVariantGenerator):
+    """Tune's random search, which stops suggesting at the deadline."""
+
     def __init__(self, deadline: float | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deadline = deadline
@@ -199,8 +188,8 @@ class VariantGenerator(BasicVariantGenerator):
 
 
 class _OptunaSearch(OptunaSearch):
-    """Tune's `OptunaSearch`, told a trial that gave no result (failed, or never ran: the ledger
-    had enough) as FAIL, which TPE ignores, rather than as a result (its stand-in objective)."""
+    """Tune's `OptunaSearch`, stopping at the deadline, told a trial without a result (failed, or
+    the ledger had enough) as FAIL rather than its stand-in objective."""
 
     def __init__(self, deadline: float | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -233,26 +222,25 @@ def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -
 
 
 def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
-    """The complete trials' params and objectives, for Optuna's TPE to start from (those whose
-    params still lie in the space)."""
+    """The complete trials' params and objectives for TPE to start from: those whose params
+    still lie in the space (as Optuna checks a trial it is given)."""
+    import optuna
+
     try:
         dists = OptunaSearch.convert_search_space(param_space)
     except (ValueError, TypeError):
         return None, None
     points, rewards = [], []
     for r in records:
-        if (
-            r.state != "complete"
-            or not isinstance(r.objective, (int, float))
-            or not set(dists) <= set(r.params)
-        ):
+        if r.state != "complete" or not isinstance(r.objective, (int, float)):
             continue
+        point = {n: r.params.get(n) for n in dists}
         try:
-            if all(d._contains(d.to_internal_repr(r.params[n])) for n, d in dists.items()):
-                points.append({n: r.params[n] for n in dists})
-                rewards.append(float(r.objective))
+            optuna.trial.create_trial(params=point, distributions=dists, value=r.objective)
         except (ValueError, TypeError):
             continue
+        points.append(point)
+        rewards.append(float(r.objective))
     return (points, rewards) if points else (None, None)
 
 
@@ -260,12 +248,8 @@ def mode(direction: str) -> str:
     return "max" if direction == "maximize" else "min"
 
 
-# --- transformers' keywords and Tune's own objects ------------------------------------------------
-
-#: ``tune.run`` keywords that shape only Tune's own output and bookkeeping, which hpsweep keeps
-#: itself: its log files and console detail, its trial names and folders (hpsweep's are
-#: ``hp_name``'s), its failure handling, and the metric its own best trial is read by (hpsweep's
-#: best is the objective's, ``compute_objective`` / ``direction``).
+#: ``tune.run`` keywords for Tune's own output and bookkeeping, which hpsweep keeps itself (logs,
+#: trial names, failure handling, the metric its best trial is read by): ignored, with a note.
 TUNE_BOOKKEEPING = (
     "log_to_file",
     "verbose",
@@ -278,15 +262,9 @@ TUNE_BOOKKEEPING = (
 
 
 def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str | None]:
-    """Hugging Face's Ray backend passes its keyword arguments on to ``tune.run``, and its users
-    write them (Ray's own Hugging Face example: ``checkpoint_config``, ``stop``,
-    ``progress_reporter``, ``local_dir``, ``name``, ``log_to_file``). Returns the options left for
-    the backend (``checkpoint_config`` with ``tune.run``'s older checkpoint keywords folded in, by
-    `checkpoint_keywords`; ``stop``, ``progress_reporter``, ``name``, ...), the hpsweep settings
-    others stand for (``search_alg``: sampler, ``local_dir`` / ``storage_path``: storage,
-    ``time_budget_s``: timeout, ``max_concurrent_trials``: n_jobs, ``fail_fast``: one failed
-    trial ends the sweep) and a note naming the `TUNE_BOOKKEEPING` ones given, which change
-    nothing here."""
+    """The ``tune.run`` keywords Hugging Face's Ray users pass: (the options left for the backend,
+    with the checkpoint keywords folded into ``checkpoint_config``; the hpsweep settings others
+    stand for; a note naming the `TUNE_BOOKKEEPING` ones given)."""
     import datetime
 
     left, settings = dict(options), {}
@@ -322,13 +300,10 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
 
 def checkpoint_keywords(options: dict[str, Any]) -> dict[str, Any]:
-    """How many of each trial's checkpoints Tune keeps, and by which score: ``checkpoint_config``
-    (a ``tune.CheckpointConfig``) and ``tune.run``'s older ``keep_checkpoints_num`` /
-    ``checkpoint_score_attr`` (``min-`` in front: lower is better), taken out of ``options`` as
-    ``{"num_to_keep", "score_attribute", "score_order"}`` (empty when none is given). A trial
-    saves where its arguments say (``save_strategy``, ``save_steps``): Tune's checkpoint
-    frequency and ``checkpoint_at_end``, which Tune itself refuses for a function trainable such
-    as hpsweep's, are refused with that fix."""
+    """``checkpoint_config`` and ``tune.run``'s ``keep_checkpoints_num`` / ``checkpoint_score_attr``
+    (``min-``: lower is better), taken out of ``options`` as ``{"num_to_keep", "score_attribute",
+    "score_order"}`` (empty when none is given). Tune's checkpoint frequency is refused: a trial
+    saves where its arguments say."""
     config = options.pop("checkpoint_config", None)
     kept = {
         "num_to_keep": getattr(config, "num_to_keep", None),
@@ -360,11 +335,10 @@ def checkpoint_keywords(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def own_metric(obj: Any) -> tuple[str, str] | None:
-    """The metric and mode a user's scheduler or search algorithm was made with (Ray's Hugging Face
-    example: ``PopulationBasedTraining(metric="eval_acc", mode="max")``), or None: it takes the
-    run's, hpsweep's objective."""
+    """The metric and mode a user's scheduler or search algorithm was made with
+    (``PopulationBasedTraining(metric="eval_acc", mode="max")``), or None: it takes the objective."""
     metric = getattr(obj, "metric", None)
-    # schedulers keep it unexposed
+    # Private: a scheduler exposes its metric but not its mode.
     mode_ = getattr(obj, "mode", None) or getattr(obj, "_mode", None)
     return (metric, mode_ or "max") if isinstance(metric, str) and metric else None
 
@@ -379,19 +353,19 @@ def is_tune_object(what: str, value: Any) -> bool:
 
 
 def scheduler_kind(scheduler_object: Any) -> str:
-    """A user's scheduler by what it does: "pbt" for population-based training (it clones trials
-    from others' checkpoints), else its class name. A PBT that mutates more than training
-    arguments is refused, as ``--scheduler pbt`` never does it: a checkpoint loads only into the
-    model it came from."""
+    """A user's scheduler by what it does: "pbt" for population-based training, else its class
+    name. A PBT that mutates more than training arguments is refused: a checkpoint it restores
+    loads only into the model it came from."""
     from ray.tune.schedulers import PopulationBasedTraining
 
     if not isinstance(scheduler_object, PopulationBasedTraining):
         return type(scheduler_object).__name__
+    # Private: PBT (and PB2) do not expose what they mutate.
     mutated = (
         getattr(scheduler_object, "_hyperparam_mutations", None)
         or getattr(scheduler_object, "_hyperparam_bounds", None)
         or {}
-    )  # PB2's
+    )
     others = sorted(set(mutated) - set(FIELD_NAMES))
     if others:
         raise UserError(
@@ -406,14 +380,40 @@ def fresh_copy(obj: Any) -> Any:
     """A round's copy of a user's scheduler or search algorithm: Tune's keep per-trial state."""
     copied = copy.deepcopy(obj)
     if hasattr(copied, "_require_attrs"):
-        # PBT: a trial the ledger had no place for ends without any result, as under --scheduler pbt
+        # Private, PBT's: set only at construction; a trial the ledger had no place for ends
+        # without any result, which PBT must accept, as under --scheduler pbt.
         copied._require_attrs = False
     return copied
 
 
 def worst_of(metric: tuple[str, str] | None) -> dict[str, float]:
-    """What a trial without a result reports for a user's object's own metric (PBT raises on a
-    result without it; every scheduler ranks it last)."""
+    """What a trial without a result reports for a user's object's own metric (ranked last)."""
     if metric is None:
         return {}
     return {metric[0]: -math.inf if metric[1] == "max" else math.inf}
+
+
+def warm_records(warm: WarmStart, settings: SearchOptions, sampler: str) -> list[runs.TrialRecord]:
+    """``--warm-start``'s complete trials as the records a round's TPE starts from
+    (`search_algorithm`: Tune's ``points_to_evaluate`` with their ``evaluated_rewards``), or one
+    line for a search that takes none: random search, a search algorithm of the user's own, a
+    multi-objective search, or trials that lack a param (`whole_trials_only`)."""
+    if sampler != "tpe" or settings.multi_objective:
+        why = f"--sampler {sampler}" if sampler != "tpe" else "a multi-objective search"
+        raise UserError(
+            f"--warm-start: on the ray backend only Optuna's TPE (--sampler tpe) with one "
+            f"objective takes earlier trials, not {why}; use --sampler tpe or drop --warm-start"
+        )
+    whole_trials_only(warm, "ray")
+    return [
+        runs.TrialRecord(
+            id=f"warm-{t.number}",
+            number=t.number,
+            backend="warm start",
+            params=dict(t.params),
+            state="complete",
+            objective=t.value,
+        )
+        for t in warm.trials
+        if t.value is not None
+    ]

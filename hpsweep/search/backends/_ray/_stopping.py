@@ -1,11 +1,7 @@
-"""How the sweep's stop reaches a Ray Tune round, for the Ray Tune backend: Ctrl-C, SIGTERM, a
-trial's user error, and trials Ray cannot place (`PlacementWatch`); and how Tune's own ``stop=``
-ends a trial (`StopWhen`). A private helper of `hpsweep.search.backends._ray`.
-
-Tune stops every trial the same way, whether its scheduler pruned it or the sweep stopped; the
-driver notes when the sweep began to stop (`StopSignals.stopped_at`, `StopOnUserError.stopped_at`)
-and writes the command's stop file, so trials and the ledger (`FolderSession.settle`) can tell
-the two apart.
+"""How a Tune round stops: Ctrl-C and SIGTERM (`StopSignals`), a trial's user error
+(`StopOnUserError`), trials Ray cannot place (`PlacementWatch`); and Tune's ``stop=`` for one
+trial (`StopWhen`). Tune stops a trial the same way whether its scheduler pruned it or the sweep
+stopped, so the driver notes when the sweep began to stop and writes the command's stop file.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from ray import tune
 
 from hpsweep.errors import Interrupted, UserError
 from hpsweep.search.backends._ray._preflight import autoscaling, describe, fits, live_nodes, offers
-from hpsweep.search.backends._ray._trial import USER_ERROR_KEY, objective_metrics
+from hpsweep.search.backends._ray._trial import USER_ERROR_KEY, numbers_of, objective_metrics
 from hpsweep.search.job import Objective, objective_value
 from hpsweep.train.callbacks import TrainerCallback
 
@@ -34,10 +30,9 @@ PLACE_WAIT_S = float(os.environ.get("HPSWEEP_RAY_PLACE_WAIT_S", "120"))
 
 
 class PlacementWatch(tune.Callback):
-    """Notices a round that Ray cannot go on with: none of its trials runs, and those waiting
-    need more (``resources``) than any live node has, for `PLACE_WAIT_S` seconds, on a cluster no
-    autoscaler grows. Tune itself would wait for ever, logging a warning now and then. The trials
-    it gave up on (`stuck`, Tune's ids) and why (`reason`) go to the ledger as failures."""
+    """Notices a round Ray cannot go on with (none of its trials runs, and no live node can hold
+    one, for `PLACE_WAIT_S`, with no autoscaler), where Tune would wait for ever: the trials it
+    gave up on (`stuck`) fail with `reason`. Keeps the round's Tune trials (`trials`)."""
 
     LOOK_S = 1.0
 
@@ -45,10 +40,15 @@ class PlacementWatch(tune.Callback):
         self.resources = resources
         self.stuck: set[str] = set()
         self.reason = ""
+        self.trials: list[Any] = []
         self._since: float | None = None
         self._looked = 0.0
 
+    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+        self.trials = list(trials)
+
     def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        self.trials = list(trials)
         waiting = [t for t in trials if t.status == "PENDING"]
         if self.stuck or not waiting or any(t.status == "RUNNING" for t in trials):
             self._since = None
@@ -72,8 +72,7 @@ class PlacementWatch(tune.Callback):
 
 
 class StopOnUserError(tune.Stopper):
-    """Ends the whole round when a trial reports a `UserError` (a bad objective name, ...), or
-    when Ray cannot place its trials (`PlacementWatch`)."""
+    """Ends the round when a trial reports a `UserError`, or Ray cannot place its trials."""
 
     def __init__(self, stop_file: Path, watch: PlacementWatch | None = None) -> None:
         self.stop_file = stop_file
@@ -91,14 +90,13 @@ class StopOnUserError(tune.Stopper):
 
 
 class StopSignals:
-    """Ctrl-C and SIGTERM stop the sweep alike: inside a Tune round, SIGTERM becomes the SIGINT
-    that Tune stops its trials on (noticed in Tune's log, as Tune only logs it); between rounds,
-    either is an `Interrupted` at once."""
+    """Ctrl-C and SIGTERM stop the sweep alike: in a Tune round SIGTERM becomes the SIGINT Tune
+    stops its trials on (which Tune only logs); between rounds either is `Interrupted` at once."""
 
     def __init__(self) -> None:
         self.signum = signal.SIGINT
         self.stopped_at: float | None = None  # when Tune began to stop the round on a signal
-        self.stop_file = Path(os.devnull)  # set per command: see `._cluster.stop_file`
+        self.stop_file = Path(os.devnull)  # the command's: `._cluster.stop_file`
         self._in_tune = False
         self._logger = logging.getLogger("ray.tune.tune")
 
@@ -149,15 +147,10 @@ class _InterruptWatch(logging.Handler):
             self.signals.stop_file.touch()
 
 
-# --- Tune's stop= -----------------------------------------------------------------------------------
-
-
 def trial_stop_rule(stop: Any) -> Any:
-    """``stop=`` as Ray Tune takes it, checked before anything runs: None, a dict of thresholds
-    (a trial stops once any ``result[key] >= value``), a function ``(trial_id, result) -> bool``,
-    or a `tune.Stopper` that stops trials one by one. A Stopper that ends the whole experiment
-    (``stop_all``, such as `TimeoutStopper`) is refused: hpsweep asks a trial's rule on the trial's
-    worker, where the rest of the sweep is out of sight."""
+    """``stop=`` as Tune takes it, checked: None, a dict of thresholds (``result[key] >= value``),
+    a function ``(trial_id, result) -> bool`` or a per-trial `tune.Stopper`. One that ends the
+    whole experiment (``stop_all``) is refused: a trial's rule is asked on its worker."""
     if not stop:
         return None
     if isinstance(stop, Mapping):
@@ -182,7 +175,6 @@ def trial_stop_rule(stop: Any) -> Any:
 
 
 def _stops_trials_only(stopper: Any) -> bool:
-    """Whether a Tune Stopper never ends the whole experiment (Tune's per-trial stoppers)."""
     from ray.tune.stopper import (
         CombinedStopper,
         FunctionStopper,
@@ -192,27 +184,22 @@ def _stops_trials_only(stopper: Any) -> bool:
     )
 
     if isinstance(stopper, CombinedStopper):
+        # Private: a CombinedStopper does not expose the stoppers it combines.
         return all(_stops_trials_only(s) for s in stopper._stoppers)
     per_trial = (FunctionStopper, MaximumIterationStopper, NoopStopper, TrialPlateauStopper)
     return type(stopper).stop_all in {cls.stop_all for cls in per_trial}
 
 
 class StopWhen(TrainerCallback):
-    """Tune's ``stop=`` for one trial (see `trial_stop_rule`), asked after each evaluation with the
-    result Tune gets (the evaluation's metrics, ``objective``) and ``training_iteration``, the
-    evaluation's number. When it says stop, training ends there and the trial is complete with
-    that evaluation's objective, as Tune ends such a trial with its last result."""
+    """Tune's ``stop=`` for one trial, asked after each evaluation with the result Tune gets and
+    ``training_iteration``; when it says stop, the trial ends complete there, as under Tune."""
 
     def __init__(self, rule: Any, objective: Objective, directions: list[str]) -> None:
         self.rule, self.objective, self.directions = rule, objective, directions
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         metrics = kwargs.get("metrics") or {}
-        result = {
-            k: float(v)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        result = numbers_of(metrics)
         result.update(objective_metrics(objective_value(self.objective, self.directions, metrics)))
         result["training_iteration"] = state.num_evaluations
         if self._says_stop(result, state):
@@ -232,7 +219,7 @@ class StopWhen(TrainerCallback):
 
 
 def _tune_trial_id(state: Any) -> str:
-    """The Tune trial id a stop function is given (the run folder's name off a Tune worker)."""
+    """The Tune trial id a stop function is given (the run's name off a Tune worker)."""
     try:
         return str(tune.get_context().get_trial_id())
     except Exception:

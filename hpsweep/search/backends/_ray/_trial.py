@@ -1,31 +1,11 @@
-"""What runs on the Ray workers for the Ray Tune backend: the Tune trainable, and the `Trial` it
-hands the trainer. A private helper of the Ray Tune backend `hpsweep.search.backends._ray`.
+"""What runs on the Ray workers: the Tune trainable (`trainable`) and the `Trial` it trains.
 
-Each Tune trial is one call of `train_trial`, on whichever node Tune placed it. Before training
-it takes a lease from the sweep's ledger (`hpsweep.search.ledger`) with the claim the search
-layer's loop runs (`Ledger.take_trial`: under the lock, reap, claim, number, bind), so counting,
-running again and two commands on one folder work on Ray alike:
-
-- a trial of a round of new trials claims a new trial and its number (`FolderSession.claim_new`,
-  preferring the number the driver put in its name, `trial_name`); when the ledger has enough
-  (finished, running and waiting to run again), the timeout passed or ``--max-failed-trials``
-  trials of this command failed, it returns without a record;
-- a trial of a round of re-runs (its config names the trial, `AGAIN_KEY`) claims that trial
-  (`FolderSession.claim_trial`) and continues it in its folder from its latest checkpoint;
-- a trial Tune starts once more itself claims its own trial again: after its worker died (Tune's
-  ``FailureConfig`` retry) from its run folder's latest checkpoint, as any trial run again; after
-  a scheduler paused it (HyperBand, PBT's exploit) from the checkpoint Tune hands it.
-
-On a node that does not see ``--output-dir`` there is no ledger to lock: the trial runs without
-a lease in a node-local folder shipped through Ray's storage (`NodeLocalRuns`), with the number
-the driver gave it, and the driver's round size alone keeps the count.
-
-Tune stops a trial without waiting for its function (``session.finish(timeout=0)``) and, at the
-end of a round, ends the actor: the trial's own ending (its record, the lease, a node-local folder
-shipped) runs on a daemon thread the actor's exit would cut short. The trainable Tune gets
-(`trainable`) waits for that ending in its ``stop``; `_InFlight` also holds the actor's exit.
-None of that outlives the command: a trial ends, unrecorded, the moment the command dies
-(`die_with`), and runs again from its latest checkpoint.
+Each Tune trial is one call of `train_trial`. On a node that sees ``--output-dir`` it takes its
+place from the sweep's ledger with the claim every backend runs (`Ledger.take_trial`): a new
+trial with its number (the one the driver put in its config, `NUMBER_KEY`, if still free), the
+trial of a round of re-runs (`AGAIN_KEY`), or, when Tune starts it once more (a retry, a paused
+trial resumed), its own. On a node without it the trial runs unleased in a folder of its own,
+shipped through Ray's storage (`NodeLocalRuns`), numbered as the driver numbered it.
 """
 
 from __future__ import annotations
@@ -60,11 +40,15 @@ from hpsweep.search.ledger_base import Claim, Claimed, Hold, Verdict
 from hpsweep.trial import Trial
 
 METRIC = "objective"
-#: In the config of a trial of a round of re-runs: the id of the trial to run again.
+#: In a Tune trial's config: the id of the trial a round of re-runs runs again.
 AGAIN_KEY = "hpsweep_again"
+#: In a Tune trial's config: the number the driver gave it (Tune hands a worker nothing else of
+#: the driver's per trial).
+NUMBER_KEY = "hpsweep_number"
 #: Reported instead of a result: the sweep cannot go on (the driver raises it), or the trial failed.
 USER_ERROR_KEY = "hpsweep_user_error"
 FAILED_KEY = "hpsweep_failed"
+OWN_KEYS = (AGAIN_KEY, NUMBER_KEY)
 
 
 @dataclass(frozen=True)
@@ -72,33 +56,32 @@ class RoundPlan:
     """What every trial of one Tune round needs besides its config (sent once, with the trainable)."""
 
     marker: str  # the token in --output-dir by which a node knows it sees the driver's folder
+    storage: str  # Ray's storage: a path or a URI
     n_trials: int | None
-    started: float  # when the command started: failures since then count toward the limit
+    started: float  # failures since then count toward --max-failed-trials
     max_failed_trials: int
-    deadline: float | None  # wall-clock time after which no new trial starts (--timeout)
-    # evaluations of a full trial, when known (a scheduler's stop then is no prune)
-    budget: int | None
-    #: In a round of re-runs: the records of the trials to run again, by id (for nodes without the folder).
+    deadline: float | None  # no new trial starts after it (--timeout)
+    budget: int | None  # evaluations of a full trial, when known (a stop at its end is no prune)
+    #: In a round of re-runs: the records of the trials to run again, by id.
     again: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: What a trial without a result reports besides the objective: the worst value of the metric a
-    #: user's scheduler or search algorithm was made with (PBT raises on a result without it).
+    #: The worst value of a user's scheduler's own metric, for a trial without a result.
     worst_extra: dict[str, float] = field(default_factory=dict)
     #: The command's process, (pid, start time): a trial on its machine dies with it (`die_with`).
     driver: tuple[int, float] | None = None
 
 
-class RayTrial(Trial):
-    """A Ray Tune trial as the trainer sees it.
+def config_params(config: dict[str, Any]) -> dict[str, Any]:
+    """A Tune config's params: without hpsweep's own keys."""
+    return {k: v for k, v in config.items() if k not in OWN_KEYS}
 
-    Tune stops or pauses a trial by raising ``SystemExit(0)`` inside `ray.tune.report`; that is
-    turned into `should_prune` so the trainer ends the run cleanly and records it as pruned
-    (a paused trial is resumed later from its checkpoint and runs on; a trial the driver stopped
-    is set to run again when Tune's round ends).
-    """
+
+class RayTrial(Trial):
+    """A Tune trial as the trainer sees it. Tune stops or pauses a trial by raising
+    ``SystemExit(0)`` inside `ray.tune.report`: the trial then says `should_prune`, so the trainer
+    ends the run and records it pruned (a paused one resumes later from its checkpoint)."""
 
     backend = "ray"
-    # each result carries its checkpoint: PBT and paused trials resume from it
-    reads_checkpoints = True
+    reads_checkpoints = True  # each result carries its checkpoint: PBT and paused trials resume
 
     def __init__(
         self, number: int, params: dict[str, Any], *, id: str, budget: int | None = None
@@ -106,47 +89,32 @@ class RayTrial(Trial):
         super().__init__(number, params, id=id)
         self._budget = budget
         self._stopped = False
-        # Tune has let go of this trial: reporting again would block for ever
-        self._detached = False
-        self.stop_file: Path | None = None  # see `._cluster.stop_file`
+        self.detached = False  # Tune let go of the trial: a report would block for ever
+        self.stop_file: Path | None = None
 
     def report(
         self, step: int, metrics: Any, objective: Any, checkpoint: str | None = None
     ) -> None:
-        if self._detached:
+        if self.detached:
             return
-        result = {
-            k: float(v)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        result.update(objective_metrics(objective))
-        result["evaluation"] = step
+        result = numbers_of(metrics) | objective_metrics(objective) | {"evaluation": step}
         try:
             tune.report(
                 result,
                 checkpoint=tune.Checkpoint.from_directory(checkpoint) if checkpoint else None,
             )
         except SystemExit:
-            # Tune stopped the trial and reads no more of its results: any later report would wait
-            # for ever on Tune's lock (see train_trial's ending).
-            self._detached = True
+            self.detached = True
             if self.stop_file is not None and self.stop_file.exists():
-                raise SweepStopped(
-                    "the sweep stopped while the trial ran"
-                ) from None  # recorded as stopped
-            # A stop at the last evaluation of the budget is the scheduler ending a finished trial.
+                raise SweepStopped("the sweep stopped while the trial ran") from None
+            # a stop at the budget's last evaluation is the scheduler ending a finished trial
             self._stopped = self._budget is None or step < self._budget
-        except SweepStopped:  # the stop file's (`_StopWatch`), raised as Tune let go of this report
-            self._detached = True
+        except SweepStopped:  # `_StopWatch`'s, raised as Tune let go of this report
+            self.detached = True
             raise
 
     def should_prune(self) -> bool:
         return self._stopped
-
-    @property
-    def detached(self) -> bool:
-        return self._detached
 
 
 class SweepStopped(KeyboardInterrupt):
@@ -154,13 +122,9 @@ class SweepStopped(KeyboardInterrupt):
 
 
 class _StopWatch:
-    """Stops a training trial when the driver writes the sweep's stop file, as a signal stops a
-    local worker: `SweepStopped` is raised in the training thread at its next Python instruction.
-
-    Tune's own stop reaches a trial only inside `ray.tune.report` (at an evaluation), and Tune
-    kills the actor 10 s after asking it to stop: a trial with long epochs would die with its
-    record still ``running``. The stop file is looked at every `POLL_S` seconds while armed.
-    """
+    """Raises `SweepStopped` in the training thread when the driver writes the stop file. Tune's
+    own stop reaches a trial only inside `ray.tune.report`, and Tune kills the actor 10 s later:
+    a trial with long epochs would die with its record still ``running``."""
 
     POLL_S = 0.5
 
@@ -175,8 +139,7 @@ class _StopWatch:
         if self.stop_file is None:
             yield
             return
-        watcher = threading.Thread(target=self._watch, name="hpsweep-stop-watch", daemon=True)
-        watcher.start()
+        threading.Thread(target=self._watch, name="hpsweep-stop-watch", daemon=True).start()
         try:
             yield
         finally:
@@ -195,9 +158,17 @@ class _StopWatch:
                 return
 
 
+def numbers_of(metrics: Any) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
 def worst(directions: list[str]) -> dict[str, float]:
-    """The objective a trial without a result reports: Tune's schedulers need one in every result
-    (PBT raises without it) and rank this one last; hpsweep's searcher ignores it (`FAILED_KEY`)."""
+    """The objective a trial without a result reports: Tune's schedulers need one (PBT raises
+    without it) and rank it last; hpsweep's searcher ignores it (`FAILED_KEY`)."""
     values = [math.inf if d == "minimize" else -math.inf for d in directions]
     return objective_metrics(values if len(values) > 1 else values[0])
 
@@ -209,11 +180,9 @@ def objective_metrics(objective: Any) -> dict[str, float]:
 
 
 class _InFlight:
-    """The trial functions still running in this actor process; at the actor's exit (Tune's
-    ``__ray_terminate__`` runs ``atexit`` handlers) waits up to `ENDING_WAIT_S` for them to end.
-    Tune force-kills an actor 10 s after it asked it to stop: the waits stay under that. The raylet
-    kills the process ~200 ms after the actor leaves, so the wait that counts is `trainable`'s,
-    in the actor's ``stop``; this one is for an exit without it."""
+    """The trial functions running in this actor process, waited for (up to `ENDING_WAIT_S`,
+    under the 10 s after which Tune kills an actor it stopped) before the actor ends: in the
+    trainable's ``cleanup`` and at exit."""
 
     ENDING_WAIT_S = 8.0
 
@@ -244,17 +213,15 @@ class _InFlight:
 _IN_FLIGHT = _InFlight()
 
 
-def trainable(runner: Any, plan: RoundPlan) -> type:
-    """The Tune trainable of a round: the function trainable Tune makes of `train_trial`, whose
-    ``cleanup`` (what its ``stop`` runs) gives a trial Tune stopped up to `_InFlight.ENDING_WAIT_S`
-    to end before Tune's own ``session.finish(timeout=0)``.
+def _await_endings() -> None:
+    """`_IN_FLIGHT.wait`, named by a module function: Tune pickles the trainable by value."""
+    _IN_FLIGHT.wait()
 
-    A trial told to stop inside `ray.tune.report` (a scheduler's decision, the sweep's stop) still
-    has its ending to run. Without the wait, a stopped trial still ending when the round ended
-    (slow callbacks, a slow MLflow server, a folder to ship) was killed with its actor, recorded
-    ``stopped`` and trained again in the next round.
-    """
-    from ray.train._internal.session import get_session
+
+def trainable(runner: Any, plan: RoundPlan) -> type:
+    """The round's Tune trainable: Tune's function trainable of `train_trial`, whose ``cleanup``
+    lets a trial Tune stopped record its ending (callbacks, a slow MLflow, a folder to ship)
+    before the actor goes; killed in it, it would be trained again in the next round."""
     from ray.tune.trainable.function_trainable import wrap_function
 
     base = wrap_function(
@@ -263,9 +230,10 @@ def trainable(runner: Any, plan: RoundPlan) -> type:
 
     class Trainable(base):  # type: ignore[misc, valid-type]
         def cleanup(self) -> None:
-            # lets the trial leave report() and end
-            get_session().finish(timeout=_InFlight.ENDING_WAIT_S)
-            super().cleanup()
+            try:
+                super().cleanup()  # releases a trial waiting in tune.report
+            finally:
+                _await_endings()
 
     return Trainable
 
@@ -278,29 +246,24 @@ def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
 
 
 def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
-    for (
-        key,
-        value,
-        # read by this actor's reset_config(), also when the user called ray.init
-    ) in WORKER_ENV.items():
+    for key, value in WORKER_ENV.items():  # also where the user called ray.init
         os.environ.setdefault(key, value)
-    ctx = tune.get_context()
-    params = {k: v for k, v in config.items() if k != AGAIN_KEY}
-    again_id, hint = config.get(AGAIN_KEY), number_in_name(ctx.get_trial_name())
+    tune_id = tune.get_context().get_trial_id()
+    wanted = _Wanted(
+        tune_id, int(config.get(NUMBER_KEY, 0)), config_params(config), config.get(AGAIN_KEY)
+    )
     local = None
     if sees_output_dir(runner.job.output_dir, plan.marker):
-        wanted = _Wanted(ctx.get_trial_id(), hint, params, again_id)
         claimed = _claim(Ledger(runner.job.output_dir, plan.n_trials), wanted, plan)
         if claimed is None:
-            return  # nothing to run: the ledger has enough, the time is up, or another process runs it
+            return  # the ledger has enough, the time is up, or another process runs it
         trial, lease = claimed.trial, claimed.claim.lease
         trial.stop_file = stop_file(runner.job.output_dir, plan.marker)
     else:
-        local = NodeLocalRuns(runner, plan.marker, ctx)
+        local = NodeLocalRuns(runner, plan.marker, plan.storage)
         runner, lease = local.runner, None
-        trial = _unleased(local, ctx.get_trial_id(), hint, params, plan.again.get(again_id), plan)
-    # which Tune trial ran it last, for the driver
-    trial.user_attrs["ray_trial_id"] = ctx.get_trial_id()
+        trial = _unleased(local, wanted, plan)
+    trial.user_attrs["ray_trial_id"] = tune_id  # which Tune trial ran it last, for the driver
     _train(runner, trial, lease, local, plan.worst_extra)
 
 
@@ -310,17 +273,11 @@ def this_process() -> tuple[int, float]:
 
 
 def die_with(driver: tuple[int, float] | None) -> None:
-    """End this worker process the moment the command's process (the driver) dies, if it runs
-    on the command's machine: a dead command's trial writes nothing more into the sweep (its
-    next run resumes from its latest checkpoint). Once per worker process and command.
-
-    A local Ray's GCS and raylet may die with the command (a ``kill -9`` of its process group):
-    nothing then tells the worker, which finds its raylet gone seconds later, and a SIGTERM
-    runs the ``atexit`` wait of `_InFlight` while the trial trains on. A worker on another
-    machine needs none of this: Ray force-kills an actor whose owner, the driver, died (no
-    ``atexit``) as soon as the driver's connection drops. A process with another start time
-    at the driver's pid is another machine's, or another PID namespace's: not watched.
-    """
+    """End this worker the moment the command's process dies, if it runs on this machine: a
+    dead command's trial writes nothing more (it resumes from its checkpoint later). A local
+    Ray's raylet may die with the command and tell its workers nothing; a worker on another
+    machine is killed by Ray when its owner's connection drops. A process at the driver's pid
+    with another start time is another machine's (or PID namespace's): not watched."""
     if driver is None or driver in _WATCHED:
         return
     _WATCHED.add(driver)
@@ -344,7 +301,7 @@ def _exit_with(command: psutil.Process) -> None:
         while _alive(command):
             time.sleep(0.2)
     else:
-        waiting = select.poll()  # no limit on the fd's number, unlike select.select
+        waiting = select.poll()
         waiting.register(pidfd, select.POLLIN)
         if command.is_running():  # the driver's pid, not one reused meanwhile
             waiting.poll()
@@ -358,20 +315,6 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def trial_name(number: int, tune_id: str) -> str:
-    """The name the driver gives a Tune trial, ``trial-<number>-<id>``: Tune's folder and display
-    name, and the one string of the driver's own that Tune hands a worker (`number_in_name`)."""
-    return f"trial-{number}-{tune_id}"
-
-
-def number_in_name(name: str) -> int:
-    """The number the driver gave a trial in its name (`trial_name`)."""
-    try:
-        return int(name.split("-", 2)[1])
-    except (IndexError, ValueError):
-        return 0
-
-
 def record_id(tune_trial: Any) -> str:
     """The id of the sweep's trial a Tune trial runs: the trial it runs again, or its own."""
     return str(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
@@ -379,22 +322,18 @@ def record_id(tune_trial: Any) -> str:
 
 @dataclass(frozen=True)
 class _Wanted:
-    """What a Tune trial asks the ledger for: Tune's id, the number the driver gave it, its params
+    """What a Tune trial asks the ledger for: Tune's id, the driver's number for it, its params
     and, in a round of re-runs, the id of the trial to run again."""
 
     tune_id: str
-    hint: int
+    number: int
     params: dict[str, Any]
     again_id: str | None
 
 
 def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> Claimed[RayTrial] | None:
-    """The trial to run with its lease (`Ledger.take_trial`); None when there is none.
-
-    A trial Tune starts once more may find its previous run still recording its end on another
-    actor (a PBT exploit, `Verdict.BUSY`): it waits for that, as long as Tune's own
-    reset_config() would.
-    """
+    """The trial to run with its lease; None when there is none. A trial whose previous run
+    still ends on another actor (`Verdict.BUSY`, a PBT exploit) waits, as reset_config() would."""
     patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
     choose = functools.partial(_choose, wanted=wanted, plan=plan)
     make = functools.partial(_make, wanted=wanted, plan=plan)
@@ -408,32 +347,28 @@ def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> Claimed[RayTrial
 
 
 def _choose(session: FolderSession, *, wanted: _Wanted, plan: RoundPlan) -> Claim | Verdict:
-    """`FolderSession.claim_trial` for a round of re-runs or a trial Tune starts once more (a
-    retry, a paused trial resumed), `FolderSession.claim_new` for a new one, numbered as the
-    driver named it if that number is free; `Verdict.BUSY` while the trial's previous run is
-    still ending, `Verdict.DONE` when there is nothing to run."""
+    """The trial to run again (a round of re-runs), this Tune trial's own (Tune starts it once
+    more), or a new one numbered as the driver asks if that number is free."""
     ledger = session.ledger
-    if wanted.again_id is not None:  # a round of re-runs
+    if wanted.again_id is not None:
         return session.claim_trial(wanted.again_id) or Verdict.DONE  # or another command runs it
     earlier = ledger.record(wanted.tune_id)
-    if earlier is not None:  # Tune starts this trial once more
+    if earlier is not None:
         if earlier.state == "running" or ledger.held(wanted.tune_id):
-            # its previous run is still ending (recorded, but the lease is held)
-            return Verdict.BUSY
+            return Verdict.BUSY  # its previous run is still recording its end
         return session.claim_trial(wanted.tune_id, states=(AGAIN, "pruned")) or Verdict.DONE
     if plan.deadline is not None and time.time() >= plan.deadline:
         return Verdict.DONE
     if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
         return Verdict.DONE  # the driver ends the sweep with the one line saying so
-    claim = session.claim_new(numbered=True, prefer=wanted.hint)
+    claim = session.claim_new(numbered=True, prefer=wanted.number)
     return Verdict.DONE if isinstance(claim, Verdict) else claim
 
 
 def _make(claim: Claim, *, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
-    """The `RayTrial` of ``claim``: the trial as recorded in a round of re-runs, else with the
-    params Tune gave it; one that waited to run again continues from its own folder (a retry
-    after its worker died), others from Tune's checkpoint if any (a paused trial resumed)."""
-    assert claim.number is not None  # claimed trials run again keep theirs; new ones take one
+    """The trial of ``claim``, numbered by it: as recorded in a round of re-runs, else with
+    Tune's params; one that waited to run again continues from its own folder."""
+    assert claim.number is not None
     if wanted.again_id is not None:
         assert claim.again is not None
         trial = RayTrial(claim.number, claim.again.params, id=claim.again.id, budget=plan.budget)
@@ -444,18 +379,13 @@ def _make(claim: Claim, *, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
     return trial
 
 
-def _unleased(
-    local: NodeLocalRuns,
-    tune_id: str,
-    hint: int,
-    params: dict[str, Any],
-    again: dict[str, Any] | None,
-    plan: RoundPlan,
-) -> RayTrial:
+def _unleased(local: NodeLocalRuns, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
     """The trial on a node without ``--output-dir``: its folder comes back from Ray's storage."""
+    again = plan.again.get(wanted.again_id) if wanted.again_id else None
     if again is None:
         earlier = local.fetch()  # this Tune trial ran here before (a retry, a PBT exploit)
-        return RayTrial(earlier.number if earlier else hint, params, id=tune_id, budget=plan.budget)
+        number = earlier.number if earlier else wanted.number
+        return RayTrial(number, wanted.params, id=wanted.tune_id, budget=plan.budget)
     record = runs.TrialRecord(**again)
     fetched = local.fetch(record.user_attrs.get("ray_shipped_to"))
     if fetched is None:  # it ran on a node that sees --output-dir: its checkpoints are not here
@@ -490,24 +420,21 @@ def _train(
                 pass
             except TrialFailed:
                 failed = True
-            except UserError as exc:  # the whole sweep cannot go on: tell the driver, do not retry
+            except UserError as exc:  # the whole sweep cannot go on: tell the driver, no retry
                 if trial.detached:
                     raise  # Tune reads no more results from this trial; fail it instead
                 user_error = str(exc)
             finally:
-                # hp_name may read params model_init suggested
-                run_dir = _run_dir(runner, trial, again)
+                run_dir = _run_dir(runner, trial, again)  # hp_name may read what model_init set
                 _note_ray_attrs(run_dir, trial, earlier, node, folder, runner.job.home)
     finally:
         if lease is not None:
             lease.release()
-        if local is not None:  # every ending: complete, pruned, failed, stopped by Tune or Ctrl-C
+        if local is not None:
             local.ship(run_dir)
     if trial.detached:
-        # Tune stopped the trial inside tune.report and we caught that to record it. Returning now
-        # would let Tune's function wrapper report once more ({"__duplicate__": True}) to a session
-        # nobody reads: the thread would hang, reset_config() would time out, and with reuse_actors
-        # the actor's next trial would fail ("Could not re-use actor"). Leave as Tune's stop expects.
+        # Returning would make Tune's wrapper report once more to a session nobody reads: the
+        # thread would hang and a reused actor's next trial fail. Leave as Tune's stop expects.
         raise SystemExit(0)
     if user_error is not None:
         tune.report({USER_ERROR_KEY: user_error, **worst(runner.job.directions), **worst_extra})
@@ -535,8 +462,7 @@ def _note_ray_attrs(
     home: runs.Home | None,
 ) -> None:
     """Keep in trial.json (here, and at an object-store ``home``) which Ray nodes ran the trial
-    and how often Tune restored it from a checkpoint (``user_attrs``: ``ray_node_id``,
-    ``ray_node_ids``, ``ray_restores``, ``ray_restored_from``)."""
+    and how often Tune restored it from a checkpoint."""
     record = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
     if record is None or record.id != trial.id:
         return
@@ -551,6 +477,5 @@ def _note_ray_attrs(
         record.user_attrs["ray_restored_from"] = restored_from
     record.save()
     if home is not None:
-        # best effort, after the trial's own upload: its record is at the home either way
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: the trial's own upload sent it
             home.upload_record(run_dir)
