@@ -75,6 +75,8 @@ from hpsweep.search.backends._ray._trial import (
 from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Float, Int
+from hpsweep.search.sweep_loop import SweepLoop
+from hpsweep.search.trial_runner import TrialRunner
 from hpsweep.search.warm_start import WarmStart
 from hpsweep.train.arguments import apply_params, field_types
 
@@ -205,7 +207,7 @@ class RayBackend(Backend, Driver):
             return self.native
         return tune_space(self.settings.space) if self.settings.space is not None else {}
 
-    def drive(self, loop: Any) -> None:
+    def drive(self, loop: SweepLoop) -> None:
         """Join the cluster, check that it can run the sweep, then run the rounds."""
         runner = self._runner(loop.runner)
         self._job = runner.job
@@ -231,7 +233,9 @@ class RayBackend(Backend, Driver):
         given = self.settings.options.get("storage") or self.settings.storage
         check_storage(self.storage_path, given=bool(given))
 
-    def _rounds(self, loop: Any, runner: Any, signals: StopSignals, marker: str) -> None:
+    def _rounds(
+        self, loop: SweepLoop, runner: TrialRunner, signals: StopSignals, marker: str
+    ) -> None:
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
         signals.stop_file = stop_file(self.settings.output_dir, marker)
         deadline = loop.deadline_wall
@@ -251,7 +255,7 @@ class RayBackend(Backend, Driver):
                 return
             loop.check_failures()
 
-    def _runner(self, runner: Any) -> Any:
+    def _runner(self, runner: TrialRunner) -> TrialRunner:
         """The runner the workers get: with a Tune-domain hp_space Tune samples the params (checked
         against the arguments first); with ``stop=`` each trial asks it (`StopWhen`)."""
         job, changes = runner.job, {}
