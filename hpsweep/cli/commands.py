@@ -126,7 +126,7 @@ def _add_stopping_options(group: Any) -> None:
         help="end the sweep before --n-trials when more trials will not help: plateau[:N[:TOL]] "
         "(no gain over the best by more than TOL in the last N trials; default 10, 0), "
         "target:VALUE (the objective reached), regret (the room for improvement below the "
-        "objective's noise); none: go on past a stop recorded earlier",
+        "objective's noise or 0.15 of its early size); none: go on past a stop recorded earlier",
     )
 
 

@@ -269,7 +269,13 @@ class OptunaBackend(Backend, AskTellSearcher):
             # and spent 27% less than no pruning on a 30-trial sweep. Reports are keyed by the training
             # step, so warmup 1 allows pruning from the first evaluation after a step (not one on
             # start); a trial's last is never offered (TrialReporter).
-            return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
+            # A warm-started study's earlier trials count as finished but bring no curve (they
+            # trained on other data): a step is then judged against three of this sweep's own
+            # trials that reported there, not against the first one alone.
+            least = 3 if self.settings.warm_start else 1
+            return optuna.pruners.MedianPruner(
+                n_startup_trials=3, n_warmup_steps=1, n_min_trials=least
+            )
         if name == "hyperband":
             return optuna.pruners.HyperbandPruner(min_resource=1)
         if name == "sha":
