@@ -79,6 +79,22 @@ def test_a_node_that_does_not_reach_rays_storage_is_refused_before_any_trial(
     assert not (folder / "out").exists()  # nothing written: no study, no run folder
 
 
+def test_a_storage_hpsweep_cannot_ship_runs_through_is_refused_before_any_trial(
+    apart: Apart,
+) -> None:
+    """Ray opens Azure storage, but a node without the sweep's folder could not ship its runs
+    back through it: refused in one line, not failed at the first trial's end."""
+    folder = apart.driver / "azure"
+    folder.mkdir()
+    storage = "abfs://sweeps@account.dfs.core.windows.net/ray"
+    proc = _sweep(apart.cluster, folder, "--storage", storage, timeout=90)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    assert "cannot ship a node's runs through abfs://" in line, line
+    assert line.endswith("give --storage a path every node mounts, or s3://bucket/prefix"), line
+    assert not (folder / "out").exists()
+
+
 def test_trials_no_node_can_hold_are_refused_before_any_trial(apart: Apart) -> None:
     folder = apart.driver / "too-big"
     folder.mkdir()

@@ -15,6 +15,7 @@ import ray
 
 from hpsweep.errors import UserError
 from hpsweep.redaction import redact_url
+from hpsweep.runs.home import SCHEMES
 
 PROBE_PREFIX = ".hpsweep-storage-check-"
 # How long a node's probe may take: a worker process to start on a busy node, pyarrow to import.
@@ -71,6 +72,11 @@ def check_storage(storage_path: str, given: bool) -> None:
         if given
         else f"Ray's storage {storage_path} (--output-dir/.ray, as no --storage was given)"
     )
+    scheme = storage_path.split("://", 1)[0].lower() if "://" in storage_path else "file"
+    if scheme not in SCHEMES:  # a node without --output-dir ships its runs through it (runs.home)
+        raise UserError(
+            f"{where}: hpsweep cannot ship a node's runs through {scheme}://; {STORAGE_FIX}"
+        )
     try:
         fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
     except Exception as exc:  # pyarrow: an unknown scheme, a malformed URI
