@@ -416,6 +416,24 @@ def test_two_commands_on_one_folder_finish_exactly_n_trials(
     assert violations(out, 4) == []
 
 
+def test_a_stopping_rule_ends_a_ray_sweep_with_exact_counts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``--stop-when``: Ray's workers claim through the ledger, so a trial that reached the
+    target ends the sweep; no new trial starts after it and the last line says why."""
+    space = write_space(tmp_path, epochs=1)
+    out = tmp_path / "out"
+    proc = _ray_sweep(
+        cluster, space, out, "--n-trials", "6", "--n-jobs", "1", "--sampler", "random",
+        "--stop-when", "target:0.2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "hpsweep: stopped by target:0.2 after 1 trials" in proc.stderr, proc.stderr
+    records = runs.read_trials(out)
+    assert [r.state for r in records] == ["complete"], [(r.number, r.state) for r in records]
+    assert json.loads((out / "stopping.json").read_text())["stopped"]["after"] == 1
+
+
 def test_an_hp_space_of_ray_tune_domains_runs_as_hugging_face_users_write_it(
     cluster: Cluster, tmp_path: Path
 ) -> None:
