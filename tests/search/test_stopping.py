@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
-from support import hpsweep_cli, write_space
+from support import hpsweep_cli, offline_wandb_env, write_space
 from support.machines import Machine, sweep_args
 
 from hpsweep import runs
@@ -134,18 +134,7 @@ def test_regret_stops_a_sweep_that_closed_in_and_not_one_that_still_improves():
 
 
 def test_a_wandb_offline_sweep_stops_at_its_target(tmp_path):
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {  # no login, no server, nothing read or written outside the test's folder
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_API_KEY": "",
-        "HOME": str(home),
-        "NETRC": str(home / ".netrc"),
-        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
-        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
-        "WANDB_DATA_DIR": str(home / "wandb-data"),
-    }
+    env = offline_wandb_env(tmp_path)  # no login, no server, nothing outside the test
     space = write_space(tmp_path, epochs=1)
     out = tmp_path / "out"
     proc = hpsweep_cli(

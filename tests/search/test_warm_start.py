@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import hpsweep_cli, load_sweep_study, write_space
+from support import hpsweep_cli, load_sweep_study, offline_wandb_env, write_space
 
 from hpsweep import runs
 from hpsweep.cli.commands import main
@@ -90,17 +90,7 @@ def test_best_configs_train_first_and_count(earlier: Path, tmp_path: Path) -> No
 
 @pytest.fixture
 def wandb_offline(tmp_path: Path) -> dict[str, str]:
-    home = tmp_path / "home"
-    return {
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_API_KEY": "",
-        "HOME": str(home),
-        "NETRC": str(home / ".netrc"),
-        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
-        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
-        "WANDB_DATA_DIR": str(home / "wandb-data"),
-    }
+    return offline_wandb_env(tmp_path)
 
 
 def test_an_optuna_sweep_warm_starts_a_wandb_one(

@@ -168,3 +168,20 @@ def rank_steps(record: runs.TrialRecord) -> dict[str, int]:
         p.stem: json.loads(p.read_text())["global_step"]
         for p in sorted(Path(record.run_dir).glob("rank-*.json"))
     }
+
+
+def offline_wandb_env(folder: Path) -> dict[str, str]:
+    """The environment of a command that runs W&B with no login and no server: its runs offline,
+    nothing read or written in the user's home (``folder`` stands in for it)."""
+    home = folder / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_API_KEY": "",
+        "HOME": str(home),
+        "NETRC": str(home / ".netrc"),
+        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
+        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
+        "WANDB_DATA_DIR": str(home / "wandb-data"),
+    }

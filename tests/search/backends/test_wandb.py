@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import USER_SCRIPT_PRELUDE, hpsweep_cli, write_space
+from support import USER_SCRIPT_PRELUDE, hpsweep_cli, offline_wandb_env, write_space
 from support.sweep_invariants import SLOW_TRIALS
 
 from hpsweep import runs
@@ -21,18 +21,7 @@ from hpsweep import runs
 @pytest.fixture
 def offline(tmp_path: Path) -> dict[str, str]:
     """An environment with no W&B login and no server: nothing reads or writes ~/.netrc or ~/.config."""
-    home = tmp_path / "home"
-    home.mkdir()
-    return {
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_API_KEY": "",
-        "HOME": str(home),
-        "NETRC": str(home / ".netrc"),
-        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
-        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
-        "WANDB_DATA_DIR": str(home / "wandb-data"),
-    }
+    return offline_wandb_env(tmp_path)
 
 
 def _run(space: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
