@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -77,8 +78,6 @@ def join_launched(args: Any = None) -> None:
     use_cpu = bool(getattr(args, "use_cpu", False)) or not torch.cuda.is_available()
     options: dict[str, Any] = {}
     if not dist.is_initialized():
-        # the group this process starts is left before the interpreter ends: a gloo group
-        # still open then can abort the process as its threads are torn down
         atexit.register(_leave_group)
         if args is not None:
             check_backend(args)
@@ -93,12 +92,24 @@ def join_launched(args: Any = None) -> None:
 
 
 def _leave_group() -> None:
-    """Leave the process group `join_launched` started, if it is still open."""
+    """Leave the process group `join_launched` started, if it is still open, while the interpreter
+    is still whole.
+
+    A gloo worker thread drops the tensors of the collective it just finished (the last one: the
+    best run rank 0 sent) holding the GIL. One that waits for the GIL until the interpreter
+    finalises is ended there, inside that destructor, and the process aborts ("terminate called
+    without an active exception") after a finished sweep. The short sleep hands the GIL to such a
+    thread first."""
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
+    time.sleep(_LEAVE_WAIT_S)
+
+
+#: How long `_leave_group` lets gloo's worker threads take the GIL; they need microseconds.
+_LEAVE_WAIT_S = 0.05
 
 
 def check_backend(args: Any) -> None:
