@@ -406,12 +406,14 @@ def cmd_show(ns: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hpsweep import runs
+    from hpsweep.search.stopping import last_line
     from hpsweep.search.warm_start import read_taken
 
     with sweep_folder(ns.dir) as (folder, home):
         records = runs.read_trials(folder)
         best = runs.read_best(folder)
         taken = read_taken(folder)  # --warm-start's trials: shown marked, after the sweep's own
+        stopped = last_line(folder, records)
     name = home.url if home.remote else Path(ns.dir)
     if not records:
         raise UserError(
@@ -463,6 +465,8 @@ def cmd_show(ns: argparse.Namespace) -> int:
     if taken:
         table.caption = f"w<N>: trial N of {taken['home']}, given as evaluated (--warm-start)"
     Console().print(table)
+    if stopped:
+        print(stopped)
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hpsweep import runs
 from hpsweep.errors import UserError
+from hpsweep.search.stopping import last_line
 from hpsweep.search.warm_start import read_taken
 from hpsweep.train.metrics import SPEED_SUFFIXES
 
@@ -41,7 +42,13 @@ def write_report(output_dir: Path, path: Path | None = None, *, name: str | None
             f"{name or output_dir}: no trials found (no run-*/trial.json); give the --output-dir of a sweep"
         )
     best = runs.read_best(output_dir)
-    page = render(name or str(output_dir.resolve()), records, best, read_taken(output_dir))
+    page = render(
+        name or str(output_dir.resolve()),
+        records,
+        best,
+        read_taken(output_dir),
+        stopped=last_line(output_dir, records),
+    )
     path = path or output_dir / REPORT_FILE
     runs.write_text(path, page)
     return path
@@ -194,9 +201,13 @@ def render(
     records: Sequence[runs.TrialRecord],
     best: Any,
     taken: dict[str, Any] | None = None,
+    *,
+    stopped: str | None = None,
 ) -> str:
     """The page; ``taken``: the sweep's warm start (`hpsweep.search.warm_start.read_taken`),
-    whose trials the table lists after the sweep's own, marked, and the plots leave out."""
+    whose trials the table lists after the sweep's own, marked, and the plots leave out;
+    ``stopped``: the line saying why a stopping rule ended the sweep
+    (`hpsweep.search.stopping.last_line`)."""
     study = build_study(records)
     objective_name = records[0].objective_name
     sections, first = [], True
@@ -225,6 +236,7 @@ def render(
             f"{len(records)} trials ({summary}); backend {backend}; objective {objective_name} "
             f"({', '.join(records[0].directions)}); written {time.strftime('%Y-%m-%d %H:%M')}"
             + (f"; warm-started from {taken['home']}" if taken else "")
+            + (f". {stopped.removeprefix('hpsweep: ')}" if stopped else "")
         ),
         best=best_html(best),
         plots="\n".join(sections),

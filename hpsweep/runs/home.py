@@ -77,8 +77,8 @@ from hpsweep.runs._records import (
 COMPLETE = ".complete"
 ERROR_FILE = "error.log"
 #: Records at the top of a home that `hpsweep show` and `hpsweep report` read beside the trials':
-#: the trials ``--warm-start`` took.
-TOP_RECORDS = ("warm_start.json",)
+#: the trials ``--warm-start`` took, and the decision of a ``--stop-when`` rule.
+TOP_RECORDS = ("warm_start.json", "stopping.json")
 #: URL scheme -> (the fsspec package that serves it, the hpsweep extra that installs it). ``file``
 #: serves a Ray trial's folder in Ray's storage on a mount (`RemoteHome` with its own ``local``).
 SCHEMES = {

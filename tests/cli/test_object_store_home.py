@@ -5,6 +5,7 @@ its best/ to the Hub (the local stand-in)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import shutil
@@ -184,3 +185,25 @@ def test_a_bad_home_exits_2_and_creates_nothing(s3, tmp_path, home, needle):
     assert sorted(p.name for p in here.iterdir()) == ["home"]
     assert list((here / "home").rglob("hpsweep")) == []
     assert s3.client().list_buckets()["Buckets"] == buckets
+
+
+def test_a_stopping_rules_decision_is_kept_at_the_home_and_shown_from_any_machine(s3, tmp_path):
+    """``--stop-when`` on an object-store home without a shared study: the decision reaches the
+    home, and ``show`` and ``report`` on another machine say why the sweep stopped."""
+    s3.make_bucket("stops")
+    space = write_space(tmp_path, epochs=1)
+    here, env = a_machine(tmp_path, "one", s3)
+    proc = hpsweep_cli(
+        "run", space, "--output-dir", "s3://stops/tiny", "--n-trials", "4",
+        "--stop-when", "target:0.2", cwd=here, env=env, check=True,
+    )  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hpsweep: stopped by target:0.2 after 1 trials"), proc.stderr
+    assert read(s3, "stops", "tiny/stopping.json")["stopped"]["after"] == 1
+
+    there, other = a_machine(tmp_path, "two", s3)
+    shown = hpsweep_cli("show", "s3://stops/tiny", cwd=there, env=other, check=True)
+    assert shown.stdout.strip().splitlines()[-1] == last
+    hpsweep_cli("report", "s3://stops/tiny", cwd=there, env=other, check=True)
+    page = get(s3, "stops", "tiny/report.html").decode()
+    assert last.removeprefix("hpsweep: ") in html.unescape(page)
