@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import abc
 import enum
+from typing import Generic, TypeVar
 
 from hpsweep.runs import TrialRecord
 from hpsweep.trial import Trial
 
 #: A trial's objective value: one number, or one per direction of a multi-objective sweep.
 ObjectiveValue = float | list[float]
+#: The kind of `Trial` a searcher hands out, and so is told about.
+TrialT = TypeVar("TrialT", bound=Trial)
 
 
 class TrialEnd(str, enum.Enum):
@@ -39,9 +42,10 @@ class TrialEnd(str, enum.Enum):
         return self.value
 
 
-class AskTellSearcher(abc.ABC):
+class AskTellSearcher(abc.ABC, Generic[TrialT]):
     """Proposes trials when asked and learns from how they ended: Optuna's study, W&B's
-    ``sweeps`` engine without a server.
+    ``sweeps`` engine without a server. ``TrialT``: the `Trial` subclass it hands out (an
+    ``AskTellSearcher[OptunaTrial]``), which the loop gives back to `tell` as it got it.
 
     The loop calls, in each process that runs trials (the command's, or each ``--n-jobs``
     worker's after the fork, so that connections are never shared): `open` once, then per trial
@@ -63,7 +67,7 @@ class AskTellSearcher(abc.ABC):
         """Release what `open` took."""
 
     @abc.abstractmethod
-    def ask(self, again: TrialRecord | None = None) -> Trial | None:
+    def ask(self, again: TrialRecord | None = None) -> TrialT | None:
         """The next trial to run, or None when there is nothing more to try (a finished grid).
 
         Args:
@@ -73,7 +77,7 @@ class AskTellSearcher(abc.ABC):
         """
 
     @abc.abstractmethod
-    def tell(self, trial: Trial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
+    def tell(self, trial: TrialT, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
         """How ``trial`` (one this searcher handed out) ended; ``value`` comes with
         `TrialEnd.COMPLETE` only. A `TrialEnd.STOPPED` trial is asked ``again`` later: it must
         not count as a result."""

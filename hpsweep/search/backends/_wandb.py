@@ -230,7 +230,7 @@ def _plain(value: Any) -> Any:
 # --- the backend ------------------------------------------------------------------------------------
 
 
-class WandbBackend(Backend, AskTellSearcher):
+class WandbBackend(Backend, AskTellSearcher["WandbTrial"]):
     """Search with W&B Sweeps: online, the W&B server through its agent (`_Agent`, a `Driver`);
     offline, the ``sweeps`` engine locally, which this backend asks and tells itself."""
 
@@ -399,8 +399,7 @@ class WandbBackend(Backend, AskTellSearcher):
             number, params, run=run, metric=self.metric, history=history, stopper=stopper
         )
 
-    def tell(self, trial: Trial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
-        assert isinstance(trial, WandbTrial), "a trial this backend handed out"
+    def tell(self, trial: WandbTrial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
         self._histories[trial.id] = trial.history
         if end is TrialEnd.PRUNED:
             # W&B has no pruned state; a tag keeps it findable

@@ -45,7 +45,7 @@ def draw(dist: Distribution, rng: random.Random) -> object:
     return rng.choice(dist.grid())
 
 
-class RandomSearch(AskTellSearcher):
+class RandomSearch(AskTellSearcher[Trial]):
     """Draws each new trial's params at random, seeded by its number. It numbers nothing itself,
     so the ledger does (``ask_numbered``); ``ask`` is asked only for a trial that runs again."""
 

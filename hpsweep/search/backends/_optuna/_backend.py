@@ -195,7 +195,7 @@ def suggest(trial: OptunaTrial, name: str, dist: Distribution) -> Any:
     return trial.suggest_categorical(name, dist.choices)
 
 
-class OptunaBackend(Backend, AskTellSearcher):
+class OptunaBackend(Backend, AskTellSearcher["OptunaTrial"]):
     """Search with Optuna: an `AskTellSearcher`, its study asked and told. Samplers: tpe
     (default), random, cmaes, gp, grid, nsga2; pruners: median (default), hyperband, sha, none.
     Pruners see every evaluation's objective.
@@ -498,10 +498,9 @@ class OptunaBackend(Backend, AskTellSearcher):
                 ) from None
         return trial
 
-    def tell(self, trial: Trial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
+    def tell(self, trial: OptunaTrial, end: TrialEnd, value: ObjectiveValue | None = None) -> None:
         """Tell the study how ``trial`` ended here, unless it no longer runs here: ended from
         outside (the study keeps what it was given) or taken over by another machine."""
-        assert isinstance(trial, OptunaTrial), "a trial this backend handed out"
         try:
             try:
                 trial.check_running(fresh=True)
