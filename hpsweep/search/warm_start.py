@@ -7,8 +7,9 @@ object-store home) are read and projected onto the new space before anything is 
 - a trial whose value of a param lies outside the new range (a narrowed one, a removed choice,
   another type, off a step's grid) is left out;
 - a param the new space adds is missing from every earlier trial: the backend samples it fresh
-  (Optuna's samplers take trials with any subset of the params; Ray's searcher and W&B's engine
-  take whole trials only, and refuse such a warm start: `whole_trials_only`).
+  (Optuna's samplers take trials with any subset of the params, on the Optuna backend and in Ray
+  Tune's TPE; W&B's engine takes whole trials only, and refuses such a warm start:
+  `whole_trials_only`).
 
 Complete trials give their objective; pruned ones their objective per training step (what TPE
 reads of a pruned trial), when the objective is a metric the records keep. A complete trial's
@@ -304,7 +305,7 @@ def give_backend(backend: Any, settings: SearchOptions) -> list[SweepCallback]:
 
 def whole_trials_only(warm: WarmStart, backend: str) -> None:
     """Refuse, in one line, a warm start that a backend whose search takes whole earlier trials
-    only (W&B's engine, Ray's searcher) cannot use: one that adds a param no earlier trial has,
+    only (W&B's engine) cannot use: one that adds a param no earlier trial has,
     or asks for ``--warm-start-best``, which it has no queue for."""
     if warm.new_params:
         raise UserError(

@@ -122,6 +122,7 @@ def test_an_optuna_sweep_warm_starts_a_wandb_one(
         ("nothing-fits", ["none of its 5 finished trials fits the new space"]),
         ("best-without-home", ["--warm-start-best 2 needs --warm-start"]),
         ("wandb-new-param", ["wandb backend", "none has weight_decay"]),
+        ("ray-random", ["on the ray backend only Optuna's TPE", "not --sampler random"]),
     ],
 )
 def test_bad_warm_start_is_one_line_and_writes_nothing(
@@ -147,6 +148,8 @@ def test_bad_warm_start_is_one_line_and_writes_nothing(
         argv = ["--warm-start-best", 2]
     elif case == "wandb-new-param":
         argv += ["--backend", "wandb"]
+    elif case == "ray-random":
+        argv += ["--backend", "ray", "--sampler", "random"]
     space = write_space(tmp_path, **settings)  # type: ignore[arg-type]
     assert main(["run", str(space), "--n-trials", "1", *map(str, argv)]) == 2
     errors = capsys.readouterr().err.splitlines()

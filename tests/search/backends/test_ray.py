@@ -903,3 +903,100 @@ def test_a_users_pbt_that_mutates_the_model_is_refused_before_ray_starts(tmp_pat
             scheduler=pbt,
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ray_sweep_warm_starts_from_an_optuna_one_on_a_changed_space(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``--warm-start`` on Ray: the earlier Optuna sweep's trials that fit a space with a new
+    param and a narrowed range reach Tune's TPE, and ``--warm-start-best 1`` trains the earlier
+    best config first, with the new param sampled; only the new trials count and get folders."""
+    earlier_space = '{"learning_rate": hpsweep.Float(1e-3, 3e-1, log=True), "hidden": hpsweep.Int(8, 32, step=8)}'
+    changed_space = (
+        '{"learning_rate": hpsweep.Float(1e-3, 3e-2, log=True), "hidden": hpsweep.Int(8, 32, step=8),'
+        ' "weight_decay": hpsweep.Float(0.0, 0.1)}'
+    )
+    space = write_space(tmp_path, name="earlier.py", epochs=1, space=earlier_space)
+    hpsweep_cli("run", space, "--n-trials", 4, "--sampler", "random", "--seed", 1, check=True)
+    earlier = tmp_path / "out"
+    fits = [r for r in runs.read_trials(earlier) if r.params["learning_rate"] <= 3e-2]
+    assert fits, "the seeded earlier sweep has a trial inside the narrowed range"
+    best = max(fits, key=lambda r: r.objective)
+
+    new = tmp_path / "new"
+    new.mkdir()
+    space = write_space(new, epochs=1, space=changed_space)
+    proc = _ray_sweep(
+        cluster, space, new / "out", "--n-trials", "2", "--n-jobs", "1", "--sampler", "tpe",
+        "--warm-start", str(earlier), "--warm-start-best", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"hpsweep: warm start: {len(fits)} of 4 trials of {earlier}; {4 - len(fits)} outside the "
+        "new space; weight_decay sampled fresh; its best config trains first"
+    ) in proc.stderr.splitlines(), proc.stderr
+    records = sorted(runs.read_trials(new / "out"), key=lambda r: r.number)
+    assert [(r.number, r.state) for r in records] == [(0, "complete"), (1, "complete")]
+    first = records[0].params
+    assert {k: first[k] for k in ("learning_rate", "hidden")} == {
+        k: best.params[k] for k in ("learning_rate", "hidden")
+    }
+    assert all(0.0 <= r.params["weight_decay"] <= 0.1 for r in records)
+    folders = sorted(p.name for p in (new / "out").glob("run-*"))
+    assert folders == sorted(Path(r.run_dir).name for r in records)
+
+
+def test_each_rounds_tpe_holds_the_warm_trials_with_the_params_they_have() -> None:
+    """What a Ray round's TPE starts from: the sweep's complete trials, and the warm-start trials
+    without the param the space added (a pruned one with its curve); the earlier best configs are
+    queued only before the sweep's first trial."""
+    import optuna
+
+    from hpsweep import Float, Int
+    from hpsweep.search.backends._ray._search import SEEDED_STUDY, seeded_storage, tune_space
+    from hpsweep.search.warm_start import WarmStart, WarmTrial
+
+    param_space = tune_space(
+        {
+            "learning_rate": Float(1e-3, 1e-1, log=True),
+            "hidden": Int(8, 32),
+            "dropout": Float(0, 0.5),
+        }
+    )
+    warm = WarmStart(
+        home="/earlier",
+        trials=(
+            WarmTrial(0, "complete", {"learning_rate": 0.01, "hidden": 16}, 0.9),
+            WarmTrial(1, "pruned", {"learning_rate": 0.05, "hidden": 8}, None, {4: 0.4}),
+        ),
+        of=2,
+        new_params=("dropout",),
+        best=({"learning_rate": 0.01, "hidden": 16},),
+    )
+    own = runs.TrialRecord(
+        id="a", number=0, backend="ray", state="complete", objective=0.8,
+        params={"learning_rate": 0.02, "hidden": 12, "dropout": 0.1},
+    )  # fmt: skip
+
+    def study(records: list[runs.TrialRecord]) -> optuna.Study:
+        storage = seeded_storage(param_space, "maximize", records, warm)
+        return optuna.load_study(study_name=SEEDED_STUDY, storage=storage)
+
+    first = study([]).trials
+    assert [
+        (t.state.name, t.params or t.system_attrs.get("fixed_params"), t.value) for t in first
+    ] == [
+        ("COMPLETE", {"learning_rate": 0.01, "hidden": 16}, 0.9),
+        ("PRUNED", {"learning_rate": 0.05, "hidden": 8}, None),
+        (
+            "WAITING",
+            {"learning_rate": 0.01, "hidden": 16},
+            None,
+        ),  # --warm-start-best, trained first
+    ]
+    assert first[1].intermediate_values == {4: 0.4}
+    later = study([own]).trials
+    assert [(t.state.name, t.params.get("dropout")) for t in later] == [
+        ("COMPLETE", 0.1), ("COMPLETE", None), ("PRUNED", None)
+    ]  # fmt: skip
+    assert seeded_storage(param_space, "maximize", [], None) is None  # nothing to start from

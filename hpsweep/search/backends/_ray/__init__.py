@@ -5,7 +5,7 @@
 - `_trial`: what runs inside a Tune trial (its claim from the ledger, its training, its report);
 - `_cluster`: connecting to the cluster and shipping the space file and runs to its nodes;
 - `_preflight`: what the cluster must offer before any trial (resources, storage every node reaches);
-- `_stopping`: how Ctrl-C, SIGTERM and a trial's user error stop a Tune round.
+- `_stopping`: how Ctrl-C, SIGTERM, a trial's user error or trials Ray cannot place stop a round.
 """
 
 from hpsweep.search.backends._ray._backend import RayBackend

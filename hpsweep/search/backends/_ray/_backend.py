@@ -24,54 +24,23 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.tune.experiment import Trial as TuneTrial
+from ray.tune.schedulers import TrialScheduler
+from ray.tune.search import SearchAlgorithm, Searcher
 
 from hpsweep import runs
 from hpsweep.errors import Interrupted, UserError
 from hpsweep.redaction import describe
 from hpsweep.search.backends._base import Backend, Driver
-from hpsweep.search.backends._ray._cluster import (
-    collect_shipped_runs,
-    connected,
-    output_dir_marker,
-    pickle_user_code_by_value,
-    shipped_record,
-    stop_file,
-    trial_store,
-)
+from hpsweep.search.backends._ray import _cluster, _search, _stopping, _trial
 from hpsweep.search.backends._ray._preflight import check_resources, check_storage
 from hpsweep.search.backends._ray._search import (
-    VariantGenerator,
+    check_warm_start,
     fresh_copy,
-    is_tune_object,
-    mode,
-    native_space,
-    own_metric,
     scheduler,
-    scheduler_kind,
     search_algorithm,
-    tune_run_keywords,
-    tune_space,
-    warm_records,
-    worst_of,
 )
-from hpsweep.search.backends._ray._stopping import (
-    PlacementWatch,
-    StopOnUserError,
-    StopSignals,
-    StopWhen,
-    trial_stop_rule,
-)
-from hpsweep.search.backends._ray._trial import (
-    AGAIN_KEY,
-    METRIC,
-    NUMBER_KEY,
-    USER_ERROR_KEY,
-    RoundPlan,
-    config_params,
-    record_id,
-    this_process,
-    trainable,
-)
+from hpsweep.search.backends._ray._trial import RoundPlan
 from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Float, Int
@@ -89,19 +58,15 @@ ENDINGS_WAIT_S = 15.0
 
 class RayBackend(Backend, Driver):
     """Search with Ray Tune (docs/backends.md): samplers tpe (Optuna's TPE through Tune's
-    `OptunaSearch`) and random; schedulers fifo, asha, hyperband and pbt, or Tune's own objects.
-    The options are those of `option_names`; transformers' other ``tune.run`` keywords are read
-    by `._search.tune_run_keywords`."""
+    `OptunaSearch`) and random; schedulers fifo, asha, hyperband and pbt, or Tune's own objects."""
 
     name = "ray"
     samplers = ("random", "tpe")
     pruners = ()
     schedulers = ("fifo", "asha", "hyperband", "pbt")
     reads = frozenset({"storage", "address", "resources_per_trial"})
-    _takes_object, transformers_keywords = (
-        staticmethod(is_tune_object),
-        staticmethod(tune_run_keywords),
-    )
+    _takes_object = staticmethod(_search.is_tune_object)
+    transformers_keywords = staticmethod(_search.tune_run_keywords)  # tune.run's other keywords
     option_names = (
         "max_failures",
         "reuse_actors",
@@ -114,12 +79,12 @@ class RayBackend(Backend, Driver):
         "progress_reporter",
         "stop",
     )
-    #: ``--warm-start``'s complete trials, which each round's TPE starts from (`warm_start`).
-    _warm: list[runs.TrialRecord] = []
+    #: ``--warm-start``'s trials, which each round's TPE starts from (`warm_start`).
+    _warm: WarmStart | None = None
 
     def __init__(self, settings: SearchOptions) -> None:
         super().__init__(settings)
-        self.native = native_space(settings.hp_space)  # Ray Tune domains from hp_space(None), if so
+        self.native = _search.native_space(settings.hp_space)  # Tune domains from hp_space(None)
         self._choose_search(settings)
         self._check_search(settings)
         self.resources = _resources(settings)
@@ -127,7 +92,7 @@ class RayBackend(Backend, Driver):
         self.max_failures = int(settings.options.get("max_failures", 1))
         # a reused actor skips the worker's start and imports
         self.reuse_actors = bool(settings.options.get("reuse_actors", True))
-        self.stop_rule = trial_stop_rule(settings.options.get("stop"))
+        self.stop_rule = _stopping.trial_stop_rule(settings.options.get("stop"))
         self.reporter = _progress_reporter(settings.options.get("progress_reporter"))
         self.num_to_keep = self._checkpoints_kept(settings.options.get("checkpoint_config") or {})
         if self.scheduler_name == "pbt" and settings.n_jobs == 1:
@@ -145,7 +110,7 @@ class RayBackend(Backend, Driver):
             for v in (settings.scheduler, settings.sampler)
         )
         self.scheduler_name = (
-            scheduler_kind(self.scheduler_object)
+            _search.scheduler_kind(self.scheduler_object)
             if self.scheduler_object
             else settings.scheduler or "fifo"
         )
@@ -155,7 +120,9 @@ class RayBackend(Backend, Driver):
             else settings.sampler or ("random" if self.scheduler_name == "pbt" else "tpe")
         )
         # one made with its own metric ranks trials by it, not by the objective
-        self.own_metric = own_metric(self.scheduler_object) or own_metric(self.sampler_object)
+        self.own_metric = _search.own_metric(self.scheduler_object) or _search.own_metric(
+            self.sampler_object
+        )
 
     def _check_search(self, settings: SearchOptions) -> None:
         """The combinations Tune cannot run, as user errors before anything is written."""
@@ -205,20 +172,22 @@ class RayBackend(Backend, Driver):
     def param_space(self) -> dict[str, Any]:
         if self.native is not None:
             return self.native
-        return tune_space(self.settings.space) if self.settings.space is not None else {}
+        return _search.tune_space(self.settings.space) if self.settings.space is not None else {}
 
     def drive(self, loop: SweepLoop) -> None:
         """Join the cluster, check that it can run the sweep, then run the rounds."""
         runner = self._runner(loop.runner)
-        self._job = runner.job
-        job = runner.job
-        pickle_user_code_by_value(
+        job = self._job = runner.job
+        _cluster.pickle_user_code_by_value(
             [job.model_init, job.hp_space, job.hp_name, job.compute_metrics, job.objective]
             + [type(job.args), job.trainer_cls, *map(type, job.callbacks)]
         )
-        with connected(self.settings.address, self.resources["cpu"]):
+        with _cluster.connected(self.settings.address, self.resources["cpu"]):
             self._check_cluster()
-            with StopSignals() as signals, output_dir_marker(self.settings.output_dir) as marker:
+            with (
+                _stopping.StopSignals() as signals,
+                _cluster.output_dir_marker(self.settings.output_dir) as marker,
+            ):
                 self._rounds(loop, runner, signals, marker)
 
     def _check_cluster(self) -> None:
@@ -234,10 +203,10 @@ class RayBackend(Backend, Driver):
         check_storage(self.storage_path, given=bool(given))
 
     def _rounds(
-        self, loop: SweepLoop, runner: TrialRunner, signals: StopSignals, marker: str
+        self, loop: SweepLoop, runner: TrialRunner, signals: _stopping.StopSignals, marker: str
     ) -> None:
         """Tune rounds until the ledger is done, the timeout passed or too many trials failed."""
-        signals.stop_file = stop_file(self.settings.output_dir, marker)
+        signals.stop_file = _cluster.stop_file(self.settings.output_dir, marker)
         deadline = loop.deadline_wall
         plan = RoundPlan(
             marker=marker,
@@ -247,8 +216,8 @@ class RayBackend(Backend, Driver):
             max_failed_trials=self.settings.max_failed_trials,
             deadline=deadline,
             budget=self._evaluation_budget(runner),
-            worst_extra=worst_of(self.own_metric),
-            driver=this_process(),
+            worst_extra=_search.worst_of(self.own_metric),
+            driver=_trial.this_process(),
         )
         while deadline is None or time.time() < deadline:
             if not self._next_round(loop.ledger, runner, plan, signals):
@@ -268,7 +237,7 @@ class RayBackend(Backend, Driver):
             )
             changes["hp_space"] = None
         if self.stop_rule is not None:
-            stop = StopWhen(self.stop_rule, job.objective, job.directions)
+            stop = _stopping.StopWhen(self.stop_rule, job.objective, job.directions)
             changes["callbacks"] = [*job.callbacks, stop]
         if not changes:
             return runner
@@ -277,7 +246,7 @@ class RayBackend(Backend, Driver):
         return runner
 
     def _next_round(
-        self, ledger: Ledger, runner: Any, plan: RoundPlan, signals: StopSignals
+        self, ledger: Ledger, runner: TrialRunner, plan: RoundPlan, signals: _stopping.StopSignals
     ) -> bool:
         """Run the next Tune round: the trials waiting to run again, else the new trials the
         ledger still needs; False when it needs none and no trial runs anywhere."""
@@ -306,8 +275,8 @@ class RayBackend(Backend, Driver):
     def _again_search(self, plan: RoundPlan, namer: _TrialNamer) -> _RoundSearch:
         """The trials to run again, as they are: one each, no searcher, no scheduler."""
         return _RoundSearch(
-            param_space={AGAIN_KEY: tune.grid_search(sorted(plan.again))},
-            search_alg=VariantGenerator(None, max_concurrent=self.settings.n_jobs),
+            param_space={_trial.AGAIN_KEY: tune.grid_search(sorted(plan.again))},
+            search_alg=_search.VariantGenerator(None, max_concurrent=self.settings.n_jobs),
             scheduler=None,
             samples=1,
             namer=namer,
@@ -327,9 +296,10 @@ class RayBackend(Backend, Driver):
                 self.sampler_name,
                 param_space,
                 define_by_run,
-                [*self._warm, *records],
+                records,
                 plan.deadline,
                 explicit_metric=self.own_metric is not None,
+                warm=self._warm,
             )
         )
         trial_scheduler = (
@@ -342,35 +312,31 @@ class RayBackend(Backend, Driver):
     def _round(
         self,
         ledger: Ledger,
-        runner: Any,
+        runner: TrialRunner,
         plan: RoundPlan,
         search: _RoundSearch,
-        signals: StopSignals,
+        signals: _stopping.StopSignals,
     ) -> None:
         """One Tune experiment of the trials ``search`` makes, then what its end leaves on disk."""
-        watch = PlacementWatch(self.resources)
-        stopper = StopOnUserError(signals.stop_file, watch)
+        watch = _stopping.RoundWatch(self.resources, signals.stop_file)
         tuner = tune.Tuner(
-            tune.with_resources(trainable(runner, plan), self.resources),
+            tune.with_resources(_trial.trainable(runner, plan), self.resources),
             param_space=search.param_space,
             tune_config=self._tune_config(search),
-            run_config=self._run_config(stopper, watch),
+            run_config=self._run_config(watch),
         )
         with signals.tune_running():
             results = tuner.fit()
-        trials = watch.trials
-        stores = {t.trial_id: trial_store(self.storage_path, t) for t in trials}
-        _await_shipped_runs(trials, stores, self.settings.output_dir)
-        collect_shipped_runs(list(stores.values()), self.settings.output_dir)
-        self._after_round(ledger, trials, results, stopper, signals)
+        _gather_shipped_runs(watch.trials, self.storage_path, self.settings.output_dir)
+        self._after_round(ledger, watch, results, signals)
 
     def _tune_config(self, search: _RoundSearch) -> tune.TuneConfig:
         s = self.settings
         # a user's scheduler or search algorithm with its own metric takes none from the config
         run_metric = not s.multi_objective and self.own_metric is None
         return tune.TuneConfig(
-            metric=METRIC if run_metric else None,
-            mode=mode(s.directions[0]) if run_metric else None,
+            metric=_trial.METRIC if run_metric else None,
+            mode=_search.mode(s.directions[0]) if run_metric else None,
             search_alg=search.search_alg,
             scheduler=search.scheduler,
             num_samples=search.samples,
@@ -380,7 +346,7 @@ class RayBackend(Backend, Driver):
             trial_dirname_creator=search.namer,
         )
 
-    def _run_config(self, stopper: StopOnUserError, watch: PlacementWatch) -> tune.RunConfig:
+    def _run_config(self, watch: _stopping.RoundWatch) -> tune.RunConfig:
         s = self.settings
         kept = s.options.get("checkpoint_config") or {}
         return tune.RunConfig(
@@ -389,7 +355,7 @@ class RayBackend(Backend, Driver):
             storage_path=self.storage_path,
             # a user's reporter prints Tune's table of trials, at the end at least
             verbose=2 if self.reporter else 0,
-            stop=stopper,
+            stop=watch,
             callbacks=[watch],
             failure_config=tune.FailureConfig(max_failures=self.max_failures),
             checkpoint_config=tune.CheckpointConfig(
@@ -403,7 +369,7 @@ class RayBackend(Backend, Driver):
             log_to_file=False,
         )
 
-    def _evaluation_budget(self, runner: Any) -> int | None:
+    def _evaluation_budget(self, runner: TrialRunner) -> int | None:
         """How many evaluations a full trial makes, when the arguments say so without the data."""
         if "max_t" in self.settings.options:
             return int(self.settings.options["max_t"])
@@ -426,26 +392,27 @@ class RayBackend(Backend, Driver):
     def _after_round(
         self,
         ledger: Ledger,
-        trials: list[Any],
-        results: Any,
-        stopper: StopOnUserError,
-        signals: StopSignals,
+        watch: _stopping.RoundWatch,
+        results: tune.ResultGrid,
+        signals: _stopping.StopSignals,
     ) -> None:
         """Tell the ledger what Tune saw that the trials could not record, then end the sweep on a
         user error or a signal (the loop ends it on too many failed trials)."""
-        user_error = next(
-            (m for r in results if (m := (r.metrics or {}).get(USER_ERROR_KEY))), None
-        )
+        key = _trial.USER_ERROR_KEY
+        user_error = next((m for r in results if (m := (r.metrics or {}).get(key))), None)
         # a trial pruned after the sweep's stop was cut short (`FolderSession.settle`)
-        stops = [t for t in (signals.stopped_at, stopper.stopped_at) if t is not None]
-        ids = [record_id(t) for t in trials]
+        stops = [t for t in (signals.stopped_at, watch.stopped_at) if t is not None]
+        ids = [_trial.record_id(t) for t in watch.trials]
         if stops:
             # fit() returns once it asked the actors to stop, not once they are gone
             ledger.wait_for_endings(ids, ENDINGS_WAIT_S)
-        stuck = stopper.watch.stuck if stopper.watch else set()
-        lost = {record_id(t) for t in trials if t.status == "ERROR" or t.trial_id in stuck}
+        lost = {
+            _trial.record_id(t)
+            for t in watch.trials
+            if t.status == "ERROR" or t.trial_id in watch.stuck
+        }
         with ledger.locked() as session:
-            self._fail_unrecorded(session, trials, stopper.watch)
+            self._fail_unrecorded(session, watch)
             session.settle(
                 ids,
                 stopped_at=min(stops) if stops else None,
@@ -458,19 +425,17 @@ class RayBackend(Backend, Driver):
         if signals.stopped_at is not None:
             raise Interrupted(signals.signum)
 
-    def _fail_unrecorded(
-        self, session: FolderSession, trials: list[Any], watch: PlacementWatch | None
-    ) -> None:
+    def _fail_unrecorded(self, session: FolderSession, watch: _stopping.RoundWatch) -> None:
         """Record as failed the trials Tune failed before they recorded themselves, or Ray could
         not place: they count towards ``--max-failed-trials``, so a cluster that cannot run a
         trial ends the sweep in one line, not in rounds of trials failing out of sight."""
         known = {r.id for r in session.ledger.records(fresh=True)}
-        for t in trials:
-            if record_id(t) in known:
+        for t in watch.trials:
+            if _trial.record_id(t) in known:
                 continue
             if t.status == "ERROR":
                 error = f"Ray Tune failed it before it could record itself: {_tune_error(t)}"
-            elif watch is not None and t.trial_id in watch.stuck:
+            elif t.trial_id in watch.stuck:
                 error = watch.reason
             else:
                 continue  # it had nothing to run (the ledger had enough)
@@ -478,25 +443,25 @@ class RayBackend(Backend, Driver):
                 id=t.trial_id,
                 number=0,
                 backend=self.name,
-                params=config_params(t.config),
+                params=_trial.config_params(t.config),
                 objective_name=self._job.objective_name,
                 directions=list(self.settings.directions),
                 user_attrs={"ray_trial_id": t.trial_id},
             )
-            number = t.config.get(NUMBER_KEY)
+            number = t.config.get(_trial.NUMBER_KEY)
             session.fail_unrecorded(t.trial_id, error=error, template=template, number=number)
 
     def warm_start(self, warm: WarmStart) -> None:
-        """Each round's TPE starts from the earlier trials as from the sweep's own complete ones
-        (`._search.warm_records`, which refuses a search that takes none)."""
-        self._warm = warm_records(warm, self.settings, self.sampler_name)
+        """Each round's TPE starts from the earlier trials beside the sweep's own complete ones
+        (`._search.seeded_storage`; `._search.check_warm_start` refuses a search that takes
+        none)."""
+        check_warm_start(warm, self.settings, self.sampler_name)
+        self._warm = warm
 
 
-def _progress_reporter(reporter: Any) -> Any:
+def _progress_reporter(reporter: object) -> tune.ProgressReporter | None:
     """A user's Tune progress reporter (a ``CLIReporter``), checked."""
-    from ray.tune import ProgressReporter
-
-    if reporter is None or isinstance(reporter, ProgressReporter):
+    if reporter is None or isinstance(reporter, tune.ProgressReporter):
         return reporter
     raise UserError(
         f"progress_reporter={reporter!r}: give a ray.tune.CLIReporter (or another "
@@ -504,7 +469,7 @@ def _progress_reporter(reporter: Any) -> Any:
     )
 
 
-def _tune_error(tune_trial: Any) -> str:
+def _tune_error(tune_trial: TuneTrial) -> str:
     """The first line of the error Tune kept for a trial it ended in ERROR."""
     try:
         exc = tune_trial.get_pickled_error() or tune_trial.get_error()
@@ -522,27 +487,18 @@ class _RoundSearch:
     """What one Tune round tries, and the namer that numbers its trials."""
 
     param_space: dict[str, Any]
-    search_alg: Any
-    scheduler: Any
+    search_alg: Searcher | SearchAlgorithm
+    scheduler: TrialScheduler | None
     samples: int
     namer: _TrialNamer
 
 
 def _resources(settings: SearchOptions) -> dict[str, float]:
-    """What each trial reserves: ``--resources-per-trial``, by default a CPU per process of a
-    ``--processes-per-trial`` trial (its Tune worker forks them)."""
-    resources = dict(settings.resources_per_trial)
-    unknown = sorted(set(resources) - {"cpu", "gpu"})
-    if unknown:
-        raise UserError(
-            f"--resources-per-trial {','.join(unknown)}: give cpu=N,gpu=F (e.g. cpu=2,gpu=0.5)"
-        )
-    if resources.get("cpu", 1.0) < 0 or resources.get("gpu", 0.0) < 0:
-        raise UserError(f"--resources-per-trial {resources}: resources cannot be negative")
-    return {
-        "cpu": resources.get("cpu", float(settings.processes_per_trial)),
-        "gpu": resources.get("gpu", 0.0),
-    }
+    """What each trial reserves: ``--resources-per-trial`` (checked by `hpsweep.devices.plan`),
+    by default a CPU per process of a ``--processes-per-trial`` trial (its Tune worker forks them)."""
+    given = settings.resources_per_trial or {}
+    cpu = given.get("cpu", float(settings.processes_per_trial))
+    return {"cpu": cpu, "gpu": given.get("gpu", 0.0)}
 
 
 def _storage_path(settings: SearchOptions) -> str:
@@ -578,42 +534,44 @@ class _TrialNamer:
     def __deepcopy__(self, memo: dict[int, Any]) -> _TrialNamer:
         return self  # Tune copies the experiment's spec per trial: the round's trials share one
 
-    def __call__(self, trial: Any) -> str:
-        number = self.again.get(trial.config.get(AGAIN_KEY))
+    def __call__(self, trial: TuneTrial) -> str:
+        number = self.again.get(trial.config.get(_trial.AGAIN_KEY))
         if number is None:
             if trial.trial_id not in self.numbers:
                 self.numbers[trial.trial_id] = self.next
                 self.next += 1
             number = self.numbers[trial.trial_id]
-        trial.config[NUMBER_KEY] = number
+        trial.config[_trial.NUMBER_KEY] = number
         return f"trial-{number}-{trial.trial_id}"
 
 
-def _await_shipped_runs(
-    tune_trials: list[Any],
-    stores: dict[str, Any],
-    output_dir: Path,
-    timeout: float = ENDINGS_WAIT_S,
-) -> None:
-    """Wait, up to ``timeout``, until every trial of a round that trained and whose worker lived
-    has a record in ``--output-dir`` or shipped one (`NodeLocalRuns.ship`): Tune ends a round
-    without waiting for its stopped trials, whose ship may land after ``fit()`` returned."""
+def _gather_shipped_runs(tune_trials: list[TuneTrial], storage: str, output_dir: Path) -> None:
+    """Copy into ``--output-dir`` the runs a round's trials shipped (`._cluster.NodeLocalRuns`),
+    once every trial that trained and whose worker lived has a record there or shipped one, or
+    `ENDINGS_WAIT_S` passed: Tune ends a round without waiting for its stopped trials, whose
+    ship may land after ``fit()`` returned."""
+    stores = {t.trial_id: _cluster.trial_store(storage, t) for t in tune_trials}
+    trained = [
+        t
+        for t in tune_trials
+        if t.status != "ERROR"
+        and _trial.METRIC in (t.last_result or {})
+        and _trial.USER_ERROR_KEY not in t.last_result
+    ]
 
-    def pending() -> list[Any]:
+    def pending() -> list[TuneTrial]:
         here = {r.id for r in runs.read_trials(output_dir)}
         return [
             t
-            for t in tune_trials
-            if t.status != "ERROR"
-            and METRIC in (t.last_result or {})
-            and USER_ERROR_KEY not in t.last_result
-            and record_id(t) not in here
+            for t in trained
+            if _trial.record_id(t) not in here
             and (
-                (shipped := shipped_record(stores[t.trial_id])) is None
+                (shipped := _cluster.shipped_record(stores[t.trial_id])) is None
                 or shipped.state == "running"
             )
         ]
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + ENDINGS_WAIT_S
     while pending() and time.monotonic() < deadline:
         time.sleep(0.1)
+    _cluster.collect_shipped_runs(list(stores.values()), output_dir)

@@ -16,15 +16,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import tune
+from ray.tune.experiment import Trial as TuneTrial
 
 from hpsweep import runs
 from hpsweep.errors import UserError
+from hpsweep.search.trial_runner import TrialRunner
 
 CONNECT_TIMEOUT_S = 3.0
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -64,20 +66,17 @@ def connected(address: str | None, cpus: float) -> Iterator[None]:
         configure_logging=True,
         runtime_env={"env_vars": dict(WORKER_ENV)},
     )
-    if address is not None:
-        _join(address, kwargs)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-        return
     auth_mode, watchdog = os.environ.get(AUTH_MODE_ENV), None
     try:
-        watchdog = _start_local(cpus, kwargs, auth_mode)
+        if address is not None:
+            _join(address, kwargs)
+        else:
+            watchdog = _start_local(cpus, kwargs, auth_mode)
         yield
     finally:
         ray.shutdown()
-        _restore_auth_mode(auth_mode)
+        if address is None:
+            _restore_auth_mode(auth_mode)
         if watchdog is not None:
             watchdog.stdin.close()  # type: ignore[union-attr]  # it reaps what shutdown left
             watchdog.wait()
@@ -139,44 +138,31 @@ def _restore_auth_mode(before: str | None) -> None:
 # watchdog, a child of the driver in a session of its own, notes the driver's Ray processes and
 # stops them when its pipe from the driver closes: at the sweep's end or when the driver died.
 _WATCHDOG = r"""
-import os, select, signal, sys
+import contextlib, os, select, signal, sys
 import psutil
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 driver, session = psutil.Process(int(sys.argv[1])), sys.argv[2]
 seen = {}
-
-def look():
-    try:
-        children = driver.children(recursive=True)
-    except psutil.Error:
-        return
-    for p in children:
-        try:
-            name = p.name()
-            ray_process = name.startswith("ray::") or name in ("raylet", "gcs_server") or \
-                (session and session in " ".join(p.cmdline()))
-            if ray_process and p.pid != os.getpid():
-                seen.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
-
 while True:
-    look()
+    with contextlib.suppress(psutil.Error):
+        for p in driver.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                name = p.name()
+                ray_process = name.startswith("ray::") or name in ("raylet", "gcs_server") or \
+                    (session and session in " ".join(p.cmdline()))
+                if ray_process and p.pid != os.getpid():
+                    seen.setdefault(p.pid, p)
     if select.select([sys.stdin], [], [], 1.0)[0] and not sys.stdin.buffer.read1(1):
         break
 alive = [p for p in seen.values() if p.is_running()]
 for p in alive:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.terminate()
-    except psutil.Error:
-        pass
 for p in psutil.wait_procs(alive, timeout=3)[1]:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.kill()
-    except psutil.Error:
-        pass
 """
 
 
@@ -263,7 +249,7 @@ def _reason(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def pickle_user_code_by_value(user_objects: Any = ()) -> None:
+def pickle_user_code_by_value(user_objects: Iterable[object] = ()) -> None:
     """Ship by value what workers cannot import: space files (imported under synthetic names),
     the modules of ``user_objects`` that are no installed package (a script's, a test's), and
     the modules imported from those folders."""
@@ -336,7 +322,7 @@ class NodeLocalRuns:
     (``$HPSWEEP_RAY_LOCAL_RUNS`` or the temp dir) and ships its run to its trial's folder in
     Ray's storage when it ends; starting again, it first gets back what it shipped last."""
 
-    def __init__(self, runner: Any, marker: str, storage: str) -> None:
+    def __init__(self, runner: TrialRunner, marker: str, storage: str) -> None:
         ctx = tune.get_context()
         experiment = runs.safe_name(ctx.get_experiment_name(), "sweep")
         base = Path(os.environ.get(LOCAL_RUNS_ENV) or tempfile.gettempdir()).resolve()
@@ -381,7 +367,7 @@ class NodeLocalRuns:
                 self.folder.parent.rmdir()  # the sweep's folder on this node, after its last trial
 
 
-def trial_store(storage: str, tune_trial: Any) -> runs.RemoteHome | None:
+def trial_store(storage: str, tune_trial: TuneTrial) -> runs.RemoteHome | None:
     """The folder of ``tune_trial`` in Ray's storage; None for a trial that never got one."""
     try:
         path = tune_trial.path

@@ -6,6 +6,7 @@ of the ledger's sight). A refusal is one line naming the node and the fix, and l
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from pathlib import Path
 from typing import Any
@@ -159,19 +160,19 @@ def reach_storage(storage_path: str, probe: str, token: str, node_id: str) -> st
     return None
 
 
-def _write(fs: Any, path: str, text: str) -> None:
+def _write(fs: pyarrow.fs.FileSystem, path: str, text: str) -> None:
     with fs.open_output_stream(path) as f:
         f.write(text.encode())
 
 
-def _exists(fs: Any, path: str) -> bool:
+def _exists(fs: pyarrow.fs.FileSystem, path: str) -> bool:
     try:
         return fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
     except OSError:
         return False
 
 
-def _missing_top(fs: Any, path: str) -> str | None:
+def _missing_top(fs: pyarrow.fs.FileSystem, path: str) -> str | None:
     """The outermost missing folder of ``path`` (None: it exists), removed again after the check."""
     top = None
     while path and not _exists(fs, path):
@@ -182,17 +183,13 @@ def _missing_top(fs: Any, path: str) -> str | None:
     return top
 
 
-def _remove(fs: Any, files: list[str], folder: str | None) -> None:
+def _remove(fs: pyarrow.fs.FileSystem, files: list[str], folder: str | None) -> None:
     for path in files:
-        try:
+        with contextlib.suppress(OSError):  # never written
             fs.delete_file(path)
-        except OSError:
-            pass  # never written
     if folder is not None:
-        try:
+        with contextlib.suppress(OSError):
             fs.delete_dir(folder)
-        except OSError:
-            pass
 
 
 def _line(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ from hpsweep.errors import UserError
 from hpsweep.search.backends._ray._trial import FAILED_KEY, METRIC, USER_ERROR_KEY
 from hpsweep.search.options import SearchOptions
 from hpsweep.search.space import Categorical, Distribution, Float, Int
-from hpsweep.search.warm_start import WarmStart, whole_trials_only
+from hpsweep.search.warm_start import WarmStart
 from hpsweep.train.arguments import FIELD_NAMES
 
 
@@ -85,10 +85,12 @@ def search_algorithm(
     deadline: float | None,
     *,
     explicit_metric: bool = False,
+    warm: WarmStart | None = None,
 ) -> Any:
-    """A round's search algorithm: random, or TPE started from the complete ``records`` (seeded
-    past them, so a later round draws other params). ``explicit_metric``: the round's config
-    names no metric (a user's scheduler has its own), so TPE is told the objective itself."""
+    """A round's search algorithm: random, or TPE started from the sweep's ``records`` and
+    ``warm`` (`seeded_storage`), seeded past them so that a later round draws other params.
+    ``explicit_metric``: the round's config names no metric (a user's scheduler has its own), so
+    TPE is told the objective itself."""
     s = settings
     seed = None if s.seed is None else s.seed + len(records)
     if sampler == "random":
@@ -100,7 +102,7 @@ def search_algorithm(
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     space: Callable[[Any], None] | None = None
-    points, rewards = None, None
+    storage = None
     if define_by_run:
         hp_space, multi = s.hp_space, s.multi_objective
         assert hp_space is not None
@@ -109,8 +111,8 @@ def search_algorithm(
             hp_space(OptunaTrial(ot_trial, multi))
 
         space = sample
-    elif not s.multi_objective:  # Optuna takes no earlier results for a define-by-run space
-        points, rewards = _warm_start(param_space, records)
+    elif not s.multi_objective:  # a define-by-run space has no distributions to add trials with
+        storage = seeded_storage(param_space, s.directions[0], records, warm)
     metrics: Any = (
         None if not s.multi_objective else [f"{METRIC}_{i}" for i in range(len(s.directions))]
     )
@@ -123,8 +125,8 @@ def search_algorithm(
         metric=metrics,
         mode=modes,
         sampler=optuna.samplers.TPESampler(seed=seed),
-        points_to_evaluate=points,
-        evaluated_rewards=rewards,
+        storage=storage,
+        study_name=SEEDED_STUDY if storage is not None else None,
     )
 
 
@@ -221,27 +223,73 @@ def _has_result(result: dict[str, Any] | None, metric: str | list[str] | None) -
     )  # type: ignore[operator]
 
 
-def _warm_start(param_space: dict[str, Any], records: list[runs.TrialRecord]) -> tuple[Any, Any]:
-    """The complete trials' params and objectives for TPE to start from: those whose params
-    still lie in the space (as Optuna checks a trial it is given)."""
+#: The in-memory study a round's TPE loads, holding the trials it starts from.
+SEEDED_STUDY = "hpsweep-round"
+
+
+def seeded_storage(
+    param_space: dict[str, Any],
+    direction: str,
+    records: list[runs.TrialRecord],
+    warm: WarmStart | None,
+) -> Any:
+    """An Optuna in-memory storage for a round's TPE (Tune's `OptunaSearch` loads its study
+    `SEEDED_STUDY`), holding what the round starts from: the sweep's complete trials, and the
+    ``--warm-start`` trials with the params they have (Optuna samples a param the space added);
+    before the sweep's first trial, also the warm start's best configs, queued to train first.
+    None when there is nothing to hold. Optuna's ``add_trial`` takes any subset of the params,
+    where Tune's ``points_to_evaluate`` takes whole configs only."""
     import optuna
 
     try:
         dists = OptunaSearch.convert_search_space(param_space)
     except (ValueError, TypeError):
-        return None, None
-    points, rewards = [], []
-    for r in records:
-        if r.state != "complete" or not isinstance(r.objective, (int, float)):
-            continue
-        point = {n: r.params.get(n) for n in dists}
-        try:
-            optuna.trial.create_trial(params=point, distributions=dists, value=r.objective)
-        except (ValueError, TypeError):
-            continue
-        points.append(point)
-        rewards.append(float(r.objective))
-    return (points, rewards) if points else (None, None)
+        return None
+    given = [
+        _finished_trial(r.params, r.objective, "complete", {}, dists)
+        for r in records
+        if r.state == "complete" and isinstance(r.objective, (int, float))
+    ]
+    if warm is not None:
+        given += [
+            _finished_trial(t.params, t.value, t.state, t.intermediate, dists) for t in warm.trials
+        ]
+    trials = [t for t in given if t is not None]
+    queued = warm.best if warm is not None and not records else ()
+    if not trials and not queued:
+        return None
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, study_name=SEEDED_STUDY, direction=direction)
+    study.add_trials(trials)
+    for params in queued:
+        study.enqueue_trial(params, skip_if_exists=False)
+    return storage
+
+
+def _finished_trial(
+    params: dict[str, Any],
+    value: Any,
+    state: str,
+    intermediate: dict[int, float],
+    dists: dict[str, Any],
+) -> Any:
+    """A finished trial as Optuna adds it, over the params the space has; None where a value
+    lies outside the space (as Optuna checks it)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    point = {n: v for n, v in params.items() if n in dists}
+    complete = state == "complete"
+    try:
+        return optuna.trial.create_trial(
+            state=TrialState.COMPLETE if complete else TrialState.PRUNED,
+            params=point,
+            distributions={n: dists[n] for n in point},
+            value=float(value) if complete else None,
+            intermediate_values=intermediate,
+        )
+    except (ValueError, TypeError):
+        return None
 
 
 def mode(direction: str) -> str:
@@ -288,13 +336,11 @@ def tune_run_keywords(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     ignored = [name for name in TUNE_BOOKKEEPING if name in left]
     for name in ignored:
         del left[name]
+    if not ignored:
+        return left, settings, None
     note = (
-        (
-            f"{', '.join(ignored)}: Tune's own output and bookkeeping, which hpsweep keeps itself (its "
-            "logs and progress, trial folders named by hp_name, the objective it was given); ignored"
-        )
-        if ignored
-        else None
+        f"{', '.join(ignored)}: Tune's own output and bookkeeping, which hpsweep keeps itself (its "
+        "logs and progress, trial folders named by hp_name, the objective it was given); ignored"
     )
     return left, settings, note
 
@@ -326,10 +372,7 @@ def checkpoint_keywords(options: dict[str, Any]) -> dict[str, Any]:
     attr = options.pop("checkpoint_score_attr", None)
     if attr:
         low = attr.startswith("min-")
-        kept["score_attribute"], kept["score_order"] = (
-            attr[4:] if low else attr,
-            "min" if low else "max",
-        )
+        kept.update(score_attribute=attr[4:] if low else attr, score_order="min" if low else "max")
     given = config is not None or kept["num_to_keep"] is not None or kept["score_attribute"]
     return kept if given else {}
 
@@ -388,32 +431,16 @@ def fresh_copy(obj: Any) -> Any:
 
 def worst_of(metric: tuple[str, str] | None) -> dict[str, float]:
     """What a trial without a result reports for a user's object's own metric (ranked last)."""
-    if metric is None:
-        return {}
-    return {metric[0]: -math.inf if metric[1] == "max" else math.inf}
+    return {} if metric is None else {metric[0]: -math.inf if metric[1] == "max" else math.inf}
 
 
-def warm_records(warm: WarmStart, settings: SearchOptions, sampler: str) -> list[runs.TrialRecord]:
-    """``--warm-start``'s complete trials as the records a round's TPE starts from
-    (`search_algorithm`: Tune's ``points_to_evaluate`` with their ``evaluated_rewards``), or one
-    line for a search that takes none: random search, a search algorithm of the user's own, a
-    multi-objective search, or trials that lack a param (`whole_trials_only`)."""
+def check_warm_start(warm: WarmStart, settings: SearchOptions, sampler: str) -> None:
+    """Refuse, in one line, a ``--warm-start`` that the round's search cannot take: random
+    search, a search algorithm of the user's own, or a multi-objective search (Tune's
+    `OptunaSearch` is given earlier trials for one objective: `seeded_storage`)."""
     if sampler != "tpe" or settings.multi_objective:
         why = f"--sampler {sampler}" if sampler != "tpe" else "a multi-objective search"
         raise UserError(
             f"--warm-start: on the ray backend only Optuna's TPE (--sampler tpe) with one "
             f"objective takes earlier trials, not {why}; use --sampler tpe or drop --warm-start"
         )
-    whole_trials_only(warm, "ray")
-    return [
-        runs.TrialRecord(
-            id=f"warm-{t.number}",
-            number=t.number,
-            backend="warm start",
-            params=dict(t.params),
-            state="complete",
-            objective=t.value,
-        )
-        for t in warm.trials
-        if t.value is not None
-    ]

@@ -1,7 +1,7 @@
-"""How a Tune round stops: Ctrl-C and SIGTERM (`StopSignals`), a trial's user error
-(`StopOnUserError`), trials Ray cannot place (`PlacementWatch`); and Tune's ``stop=`` for one
-trial (`StopWhen`). Tune stops a trial the same way whether its scheduler pruned it or the sweep
-stopped, so the driver notes when the sweep began to stop and writes the command's stop file.
+"""How a Tune round stops: Ctrl-C and SIGTERM (`StopSignals`), a trial's user error or trials
+Ray cannot place (`RoundWatch`); and Tune's ``stop=`` for one trial (`StopWhen`). Tune stops a
+trial the same way whether its scheduler pruned it or the sweep stopped, so the driver notes when
+the sweep began to stop and writes the command's stop file.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ray import tune
+from ray.tune.experiment import Trial as TuneTrial
 
 from hpsweep.errors import Interrupted, UserError
 from hpsweep.search.backends._ray._preflight import autoscaling, describe, fits, live_nodes, offers
@@ -29,25 +30,36 @@ from hpsweep.train.callbacks import TrainerCallback
 PLACE_WAIT_S = float(os.environ.get("HPSWEEP_RAY_PLACE_WAIT_S", "120"))
 
 
-class PlacementWatch(tune.Callback):
-    """Notices a round Ray cannot go on with (none of its trials runs, and no live node can hold
-    one, for `PLACE_WAIT_S`, with no autoscaler), where Tune would wait for ever: the trials it
-    gave up on (`stuck`) fail with `reason`. Keeps the round's Tune trials (`trials`)."""
+class RoundWatch(tune.Callback, tune.Stopper):
+    """Ends a Tune round when a trial reports a `UserError`, or when Ray cannot go on with it:
+    none of its trials runs and no live node can hold one for `PLACE_WAIT_S`, with no autoscaler,
+    where Tune would wait for ever; the trials it gave up on (`stuck`) fail with `reason`. Keeps
+    the round's Tune trials (`trials`)."""
 
     LOOK_S = 1.0
 
-    def __init__(self, resources: dict[str, float]) -> None:
-        self.resources = resources
+    def __init__(self, resources: dict[str, float], stop_file: Path) -> None:
+        self.resources, self.stop_file = resources, stop_file
+        self.stopped_at: float | None = None  # when a trial's user error stopped the round
         self.stuck: set[str] = set()
         self.reason = ""
-        self.trials: list[Any] = []
+        self.trials: list[TuneTrial] = []
         self._since: float | None = None
         self._looked = 0.0
 
-    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        if USER_ERROR_KEY in result and self.stopped_at is None:
+            self.stopped_at = time.time()
+            self.stop_file.touch()
+        return self.stop_all()
+
+    def stop_all(self) -> bool:
+        return self.stopped_at is not None or bool(self.stuck)
+
+    def on_experiment_end(self, trials: list[TuneTrial], **info: Any) -> None:
         self.trials = list(trials)
 
-    def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+    def on_step_begin(self, iteration: int, trials: list[TuneTrial], **info: Any) -> None:
         self.trials = list(trials)
         waiting = [t for t in trials if t.status == "PENDING"]
         if self.stuck or not waiting or any(t.status == "RUNNING" for t in trials):
@@ -71,29 +83,13 @@ class PlacementWatch(tune.Callback):
             )
 
 
-class StopOnUserError(tune.Stopper):
-    """Ends the round when a trial reports a `UserError`, or Ray cannot place its trials."""
-
-    def __init__(self, stop_file: Path, watch: PlacementWatch | None = None) -> None:
-        self.stop_file = stop_file
-        self.stopped_at: float | None = None
-        self.watch = watch
-
-    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if USER_ERROR_KEY in result and self.stopped_at is None:
-            self.stopped_at = time.time()
-            self.stop_file.touch()
-        return self.stop_all()
-
-    def stop_all(self) -> bool:
-        return self.stopped_at is not None or bool(self.watch and self.watch.stuck)
-
-
-class StopSignals:
+class StopSignals(logging.Handler):
     """Ctrl-C and SIGTERM stop the sweep alike: in a Tune round SIGTERM becomes the SIGINT Tune
-    stops its trials on (which Tune only logs); between rounds either is `Interrupted` at once."""
+    stops its trials on; between rounds either is `Interrupted` at once. As a handler of Tune's
+    logger it notices Tune's graceful stop on Ctrl-C, which Tune reports only as a warning."""
 
     def __init__(self) -> None:
+        super().__init__(logging.WARNING)
         self.signum = signal.SIGINT
         self.stopped_at: float | None = None  # when Tune began to stop the round on a signal
         self.stop_file = Path(os.devnull)  # the command's: `._cluster.stop_file`
@@ -117,34 +113,25 @@ class StopSignals:
             return
         raise Interrupted(signal.SIGTERM)
 
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Stop signal received" in record.getMessage() and self.stopped_at is None:
+            self.stopped_at = time.time()
+            self.stop_file.touch()
+
     @contextlib.contextmanager
     def tune_running(self) -> Iterator[None]:
-        watch = _InterruptWatch(self)
         saved = self._logger.level, self._logger.propagate
         self._logger.setLevel(logging.WARNING)
         self._logger.propagate = False  # watched, not printed: the CLI says it in one line
-        self._logger.addHandler(watch)
+        self._logger.addHandler(self)
         self._in_tune = True
         try:
             yield
         finally:
             self._in_tune = False
-            self._logger.removeHandler(watch)
+            self._logger.removeHandler(self)
             self._logger.setLevel(saved[0])
             self._logger.propagate = saved[1]
-
-
-class _InterruptWatch(logging.Handler):
-    """Notices Tune's graceful stop on Ctrl-C, which Tune reports only as a log warning."""
-
-    def __init__(self, signals: StopSignals) -> None:
-        super().__init__(logging.WARNING)
-        self.signals = signals
-
-    def emit(self, record: Any) -> None:
-        if "Stop signal received" in record.getMessage() and self.signals.stopped_at is None:
-            self.signals.stopped_at = time.time()
-            self.signals.stop_file.touch()
 
 
 def trial_stop_rule(stop: Any) -> Any:
@@ -215,12 +202,8 @@ class StopWhen(TrainerCallback):
                 )
             return any(result[k] >= v for k, v in self.rule.items())
         rule: Callable[[str, dict[str, float]], Any] = self.rule
-        return bool(rule(_tune_trial_id(state), result))
-
-
-def _tune_trial_id(state: Any) -> str:
-    """The Tune trial id a stop function is given (the run's name off a Tune worker)."""
-    try:
-        return str(tune.get_context().get_trial_id())
-    except Exception:
-        return str(getattr(state, "trial_name", "") or "")
+        try:
+            trial_id = str(tune.get_context().get_trial_id())
+        except Exception:  # off a Tune worker: the run's name
+            trial_id = str(getattr(state, "trial_name", "") or "")
+        return bool(rule(trial_id, result))

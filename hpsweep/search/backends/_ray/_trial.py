@@ -1,11 +1,11 @@
 """What runs on the Ray workers: the Tune trainable (`trainable`) and the `Trial` it trains.
 
 Each Tune trial is one call of `train_trial`. On a node that sees ``--output-dir`` it takes its
-place from the sweep's ledger with the claim every backend runs (`Ledger.take_trial`): a new
-trial with its number (the one the driver put in its config, `NUMBER_KEY`, if still free), the
-trial of a round of re-runs (`AGAIN_KEY`), or, when Tune starts it once more (a retry, a paused
-trial resumed), its own. On a node without it the trial runs unleased in a folder of its own,
-shipped through Ray's storage (`NodeLocalRuns`), numbered as the driver numbered it.
+place with the claim every backend runs (`Ledger.take_trial`): a new trial with the number the
+driver put in its config (`NUMBER_KEY`, if still free), the trial of a round of re-runs
+(`AGAIN_KEY`), or, when Tune starts it once more (a retry, a paused trial resumed), its own. On a
+node without it the trial runs unleased in a folder of its own, shipped through Ray's storage
+(`NodeLocalRuns`), numbered as the driver numbered it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import functools
 import math
 import os
 import select
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import ray
 from ray import tune
+from ray.tune.experiment import Trial as TuneTrial
 
 from hpsweep import runs
 from hpsweep.errors import TrialFailed, TrialPruned, UserError
@@ -37,6 +38,7 @@ from hpsweep.search.backends._ray._cluster import (
 )
 from hpsweep.search.ledger import AGAIN, FolderSession, Ledger
 from hpsweep.search.ledger_base import Claim, Claimed, Hold, Verdict
+from hpsweep.search.trial_runner import TrialRunner
 from hpsweep.trial import Trial
 
 METRIC = "objective"
@@ -48,7 +50,6 @@ NUMBER_KEY = "hpsweep_number"
 #: Reported instead of a result: the sweep cannot go on (the driver raises it), or the trial failed.
 USER_ERROR_KEY = "hpsweep_user_error"
 FAILED_KEY = "hpsweep_failed"
-OWN_KEYS = (AGAIN_KEY, NUMBER_KEY)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,12 @@ class RoundPlan:
 
 def config_params(config: dict[str, Any]) -> dict[str, Any]:
     """A Tune config's params: without hpsweep's own keys."""
-    return {k: v for k, v in config.items() if k not in OWN_KEYS}
+    return {k: v for k, v in config.items() if k not in (AGAIN_KEY, NUMBER_KEY)}
+
+
+def record_id(tune_trial: TuneTrial) -> str:
+    """The id of the sweep's trial a Tune trial runs: the trial it runs again, or its own."""
+    return str(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
 
 
 class RayTrial(Trial):
@@ -83,9 +89,7 @@ class RayTrial(Trial):
     backend = "ray"
     reads_checkpoints = True  # each result carries its checkpoint: PBT and paused trials resume
 
-    def __init__(
-        self, number: int, params: dict[str, Any], *, id: str, budget: int | None = None
-    ) -> None:
+    def __init__(self, number: int, params: dict[str, Any], *, id: str, budget: int | None) -> None:
         super().__init__(number, params, id=id)
         self._budget = budget
         self._stopped = False
@@ -135,11 +139,9 @@ class _StopWatch:
         self._done = threading.Event()
 
     @contextlib.contextmanager
-    def armed(self) -> Any:
-        if self.stop_file is None:
-            yield
-            return
-        threading.Thread(target=self._watch, name="hpsweep-stop-watch", daemon=True).start()
+    def armed(self) -> Iterator[None]:
+        if self.stop_file is not None:
+            threading.Thread(target=self._watch, name="hpsweep-stop-watch", daemon=True).start()
         try:
             yield
         finally:
@@ -158,7 +160,7 @@ class _StopWatch:
                 return
 
 
-def numbers_of(metrics: Any) -> dict[str, float]:
+def numbers_of(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in metrics.items()
@@ -166,17 +168,17 @@ def numbers_of(metrics: Any) -> dict[str, float]:
     }
 
 
+def objective_metrics(objective: Any) -> dict[str, float]:
+    if isinstance(objective, (list, tuple)):
+        return {f"{METRIC}_{i}": float(v) for i, v in enumerate(objective)}
+    return {METRIC: float(objective)}
+
+
 def worst(directions: list[str]) -> dict[str, float]:
     """The objective a trial without a result reports: Tune's schedulers need one (PBT raises
     without it) and rank it last; hpsweep's searcher ignores it (`FAILED_KEY`)."""
     values = [math.inf if d == "minimize" else -math.inf for d in directions]
     return objective_metrics(values if len(values) > 1 else values[0])
-
-
-def objective_metrics(objective: Any) -> dict[str, float]:
-    if isinstance(objective, (list, tuple)):
-        return {f"{METRIC}_{i}": float(v) for i, v in enumerate(objective)}
-    return {METRIC: float(objective)}
 
 
 class _InFlight:
@@ -192,10 +194,10 @@ class _InFlight:
         self._registered = False
 
     @contextlib.contextmanager
-    def running(self) -> Any:
+    def running(self) -> Iterator[None]:
         with self._changed:
             self._count += 1
-            if not self._registered:
+            if not self._registered:  # in the processes that run trials only
                 atexit.register(self.wait)
                 self._registered = True
         try:
@@ -218,11 +220,11 @@ def _await_endings() -> None:
     _IN_FLIGHT.wait()
 
 
-def trainable(runner: Any, plan: RoundPlan) -> type:
+def trainable(runner: TrialRunner, plan: RoundPlan) -> type:
     """The round's Tune trainable: Tune's function trainable of `train_trial`, whose ``cleanup``
     lets a trial Tune stopped record its ending (callbacks, a slow MLflow, a folder to ship)
     before the actor goes; killed in it, it would be trained again in the next round."""
-    from ray.tune.trainable.function_trainable import wrap_function
+    from ray.tune.trainable import wrap_function
 
     base = wrap_function(
         tune.with_parameters(train_trial, runner=runner, plan=plan), name="train_trial"
@@ -238,38 +240,39 @@ def trainable(runner: Any, plan: RoundPlan) -> type:
     return Trainable
 
 
-def train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
+def train_trial(config: dict[str, Any], runner: TrialRunner, plan: RoundPlan) -> None:
     """The Tune function trainable: one trial of the sweep (see the module's docstring)."""
     die_with(plan.driver)
     with _IN_FLIGHT.running():
-        _train_trial(config, runner, plan)
-
-
-def _train_trial(config: dict[str, Any], runner: Any, plan: RoundPlan) -> None:
-    for key, value in WORKER_ENV.items():  # also where the user called ray.init
-        os.environ.setdefault(key, value)
-    tune_id = tune.get_context().get_trial_id()
-    wanted = _Wanted(
-        tune_id, int(config.get(NUMBER_KEY, 0)), config_params(config), config.get(AGAIN_KEY)
-    )
-    local = None
-    if sees_output_dir(runner.job.output_dir, plan.marker):
-        claimed = _claim(Ledger(runner.job.output_dir, plan.n_trials), wanted, plan)
-        if claimed is None:
-            return  # the ledger has enough, the time is up, or another process runs it
-        trial, lease = claimed.trial, claimed.claim.lease
-        trial.stop_file = stop_file(runner.job.output_dir, plan.marker)
-    else:
-        local = NodeLocalRuns(runner, plan.marker, plan.storage)
-        runner, lease = local.runner, None
-        trial = _unleased(local, wanted, plan)
-    trial.user_attrs["ray_trial_id"] = tune_id  # which Tune trial ran it last, for the driver
-    _train(runner, trial, lease, local, plan.worst_extra)
+        for key, value in WORKER_ENV.items():  # also where the user called ray.init
+            os.environ.setdefault(key, value)
+        wanted = _Wanted(
+            tune.get_context().get_trial_id(),
+            int(config.get(NUMBER_KEY, 0)),
+            config_params(config),
+            config.get(AGAIN_KEY),
+            plan,
+        )
+        local = None
+        if sees_output_dir(runner.job.output_dir, plan.marker):
+            claimed = wanted.claim(Ledger(runner.job.output_dir, plan.n_trials))
+            if claimed is None:
+                return  # the ledger has enough, the time is up, or another process runs it
+            trial, lease = claimed.trial, claimed.claim.lease
+            trial.stop_file = stop_file(runner.job.output_dir, plan.marker)
+        else:
+            local = NodeLocalRuns(runner, plan.marker, plan.storage)
+            runner, lease, trial = local.runner, None, wanted.unleased(local)
+        trial.user_attrs["ray_trial_id"] = wanted.tune_id  # which Tune trial ran it last
+        _train(runner, trial, lease, local, plan.worst_extra)
 
 
 def this_process() -> tuple[int, float]:
     """This process as `die_with` finds it: its pid, and its start time against a reused pid."""
     return os.getpid(), psutil.Process().create_time()
+
+
+_WATCHED: set[tuple[int, float]] = set()
 
 
 def die_with(driver: tuple[int, float] | None) -> None:
@@ -290,34 +293,20 @@ def die_with(driver: tuple[int, float] | None) -> None:
     threading.Thread(target=_exit_with, args=(command,), name="hpsweep-driver", daemon=True).start()
 
 
-_WATCHED: set[tuple[int, float]] = set()
-
-
 def _exit_with(command: psutil.Process) -> None:
     """Exit once ``command`` has ended: a pidfd wakes at once; elsewhere, a look every 0.2 s."""
     try:
         pidfd = os.pidfd_open(command.pid)
     except (AttributeError, OSError):  # not Linux 5.3+
-        while _alive(command):
-            time.sleep(0.2)
+        with contextlib.suppress(psutil.Error):
+            while command.is_running() and command.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.2)
     else:
         waiting = select.poll()
         waiting.register(pidfd, select.POLLIN)
         if command.is_running():  # the driver's pid, not one reused meanwhile
             waiting.poll()
     os._exit(1)
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def record_id(tune_trial: Any) -> str:
-    """The id of the sweep's trial a Tune trial runs: the trial it runs again, or its own."""
-    return str(tune_trial.config.get(AGAIN_KEY) or tune_trial.trial_id)
 
 
 @dataclass(frozen=True)
@@ -329,104 +318,93 @@ class _Wanted:
     number: int
     params: dict[str, Any]
     again_id: str | None
+    plan: RoundPlan
 
+    def claim(self, ledger: Ledger) -> Claimed[RayTrial] | None:
+        """The trial to run with its lease; None when there is none. A trial whose previous run
+        still ends on another actor (`Verdict.BUSY`, a PBT exploit) waits, as reset_config()
+        would."""
+        patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
+        while True:
+            got = ledger.take_trial(self._choose, self._make)
+            if got is not Verdict.BUSY:
+                return got if isinstance(got, Claimed) else None
+            if time.monotonic() > patience:
+                return None
+            time.sleep(0.2)
 
-def _claim(ledger: Ledger, wanted: _Wanted, plan: RoundPlan) -> Claimed[RayTrial] | None:
-    """The trial to run with its lease; None when there is none. A trial whose previous run
-    still ends on another actor (`Verdict.BUSY`, a PBT exploit) waits, as reset_config() would."""
-    patience = time.monotonic() + float(os.environ.get("TUNE_FUNCTION_THREAD_TIMEOUT_S", 60))
-    choose = functools.partial(_choose, wanted=wanted, plan=plan)
-    make = functools.partial(_make, wanted=wanted, plan=plan)
-    while True:
-        got = ledger.take_trial(choose, make)
-        if got is not Verdict.BUSY:
-            return got if isinstance(got, Claimed) else None
-        if time.monotonic() > patience:
-            return None
-        time.sleep(0.2)
+    def _choose(self, session: FolderSession) -> Claim | Verdict:
+        """The trial to run again (a round of re-runs), this Tune trial's own (Tune starts it once
+        more), or a new one numbered as the driver asks if that number is free."""
+        ledger, plan = session.ledger, self.plan
+        if self.again_id is not None:
+            return session.claim_trial(self.again_id) or Verdict.DONE  # or another command runs it
+        earlier = ledger.record(self.tune_id)
+        if earlier is not None:
+            if earlier.state == "running" or ledger.held(self.tune_id):
+                return Verdict.BUSY  # its previous run is still recording its end
+            return session.claim_trial(self.tune_id, states=(AGAIN, "pruned")) or Verdict.DONE
+        if plan.deadline is not None and time.time() >= plan.deadline:
+            return Verdict.DONE
+        if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
+            return Verdict.DONE  # the driver ends the sweep with the one line saying so
+        claim = session.claim_new(numbered=True, prefer=self.number)
+        return Verdict.DONE if isinstance(claim, Verdict) else claim
 
+    def _make(self, claim: Claim) -> RayTrial:
+        """The trial of ``claim``, numbered by it: as recorded in a round of re-runs, else with
+        Tune's params; one that waited to run again continues from its own folder."""
+        assert claim.number is not None
+        if self.again_id is not None:
+            assert claim.again is not None
+            params, id_ = claim.again.params, claim.again.id
+        else:
+            params, id_ = self.params, self.tune_id
+        trial = RayTrial(claim.number, params, id=id_, budget=self.plan.budget)
+        if claim.again is not None:
+            trial.user_attrs["again"] = claim.again
+        return trial
 
-def _choose(session: FolderSession, *, wanted: _Wanted, plan: RoundPlan) -> Claim | Verdict:
-    """The trial to run again (a round of re-runs), this Tune trial's own (Tune starts it once
-    more), or a new one numbered as the driver asks if that number is free."""
-    ledger = session.ledger
-    if wanted.again_id is not None:
-        return session.claim_trial(wanted.again_id) or Verdict.DONE  # or another command runs it
-    earlier = ledger.record(wanted.tune_id)
-    if earlier is not None:
-        if earlier.state == "running" or ledger.held(wanted.tune_id):
-            return Verdict.BUSY  # its previous run is still recording its end
-        return session.claim_trial(wanted.tune_id, states=(AGAIN, "pruned")) or Verdict.DONE
-    if plan.deadline is not None and time.time() >= plan.deadline:
-        return Verdict.DONE
-    if len(ledger.failures_since(plan.started)) >= plan.max_failed_trials:
-        return Verdict.DONE  # the driver ends the sweep with the one line saying so
-    claim = session.claim_new(numbered=True, prefer=wanted.number)
-    return Verdict.DONE if isinstance(claim, Verdict) else claim
-
-
-def _make(claim: Claim, *, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
-    """The trial of ``claim``, numbered by it: as recorded in a round of re-runs, else with
-    Tune's params; one that waited to run again continues from its own folder."""
-    assert claim.number is not None
-    if wanted.again_id is not None:
-        assert claim.again is not None
-        trial = RayTrial(claim.number, claim.again.params, id=claim.again.id, budget=plan.budget)
-    else:
-        trial = RayTrial(claim.number, wanted.params, id=wanted.tune_id, budget=plan.budget)
-    if claim.again is not None:
-        trial.user_attrs["again"] = claim.again
-    return trial
-
-
-def _unleased(local: NodeLocalRuns, wanted: _Wanted, plan: RoundPlan) -> RayTrial:
-    """The trial on a node without ``--output-dir``: its folder comes back from Ray's storage."""
-    again = plan.again.get(wanted.again_id) if wanted.again_id else None
-    if again is None:
-        earlier = local.fetch()  # this Tune trial ran here before (a retry, a PBT exploit)
-        number = earlier.number if earlier else wanted.number
-        return RayTrial(number, wanted.params, id=wanted.tune_id, budget=plan.budget)
-    record = runs.TrialRecord(**again)
-    fetched = local.fetch(record.user_attrs.get("ray_shipped_to"))
-    if fetched is None:  # it ran on a node that sees --output-dir: its checkpoints are not here
-        record.run_dir = str(local.folder / Path(record.run_dir).name)
-    trial = RayTrial(record.number, record.params, id=record.id, budget=plan.budget)
-    trial.user_attrs["again"] = fetched or record
-    return trial
+    def unleased(self, local: NodeLocalRuns) -> RayTrial:
+        """The trial on a node without ``--output-dir``: its folder comes back from Ray's storage."""
+        budget = self.plan.budget
+        again = self.plan.again.get(self.again_id) if self.again_id else None
+        if again is None:
+            earlier = local.fetch()  # this Tune trial ran here before (a retry, a PBT exploit)
+            number = earlier.number if earlier else self.number
+            return RayTrial(number, self.params, id=self.tune_id, budget=budget)
+        record = runs.TrialRecord(**again)
+        fetched = local.fetch(record.user_attrs.get("ray_shipped_to"))
+        if fetched is None:  # it ran on a node that sees --output-dir: its checkpoints are not here
+            record.run_dir = str(local.folder / Path(record.run_dir).name)
+        trial = RayTrial(record.number, record.params, id=record.id, budget=budget)
+        trial.user_attrs["again"] = fetched or record
+        return trial
 
 
 def _train(
-    runner: Any,
+    runner: TrialRunner,
     trial: RayTrial,
     lease: Hold | None,
     local: NodeLocalRuns | None,
     worst_extra: dict[str, float],
 ) -> None:
+    """Train the trial, note the Ray nodes that ran it, then give its lease back or ship its
+    run; report a user error or a failure to Tune as a result without an objective."""
     again: runs.TrialRecord | None = trial.user_attrs.get("again")
     # A trial run again continues from its own latest checkpoint; otherwise Tune's (a resume, PBT).
     checkpoint = tune.get_checkpoint() if again is None else None
-    node = ray.get_runtime_context().get_node_id()
     run_dir = _run_dir(runner, trial, again)
-    failed, user_error = False, None
     try:
         with checkpoint.as_directory() if checkpoint else contextlib.nullcontext(None) as folder:
             if folder is not None:
                 trial.user_attrs["resume_from"] = folder
             earlier = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
             try:
-                with _StopWatch(trial.stop_file).armed():
-                    runner(trial)
-            except (TrialPruned, SweepStopped):
-                pass
-            except TrialFailed:
-                failed = True
-            except UserError as exc:  # the whole sweep cannot go on: tell the driver, no retry
-                if trial.detached:
-                    raise  # Tune reads no more results from this trial; fail it instead
-                user_error = str(exc)
+                failed, user_error = _run(runner, trial)
             finally:
                 run_dir = _run_dir(runner, trial, again)  # hp_name may read what model_init set
-                _note_ray_attrs(run_dir, trial, earlier, node, folder, runner.job.home)
+                _note_ray_attrs(run_dir, trial, earlier, folder, runner.job.home)
     finally:
         if lease is not None:
             lease.release()
@@ -442,11 +420,26 @@ def _train(
         tune.report({FAILED_KEY: 1.0, **worst(runner.job.directions), **worst_extra})
 
 
-def _run_dir(runner: Any, trial: RayTrial, again: runs.TrialRecord | None) -> Path:
+def _run(runner: TrialRunner, trial: RayTrial) -> tuple[bool, str | None]:
+    """Run the trial under the stop file's watch: (whether it failed, the sweep's user error)."""
+    try:
+        with _StopWatch(trial.stop_file).armed():
+            runner(trial)
+    except (TrialPruned, SweepStopped):
+        pass
+    except TrialFailed:
+        return True, None
+    except UserError as exc:  # the whole sweep cannot go on: tell the driver, no retry
+        if trial.detached:
+            raise  # Tune reads no more results from this trial; fail it instead
+        return False, str(exc)
+    return False, None
+
+
+def _run_dir(runner: TrialRunner, trial: RayTrial, again: runs.TrialRecord | None) -> Path:
     if again is not None:
         return Path(again.run_dir)
-    job = runner.job
-    name = None
+    job, name = runner.job, None
     if job.hp_name is not None:
         with contextlib.suppress(Exception):  # the runner reports a broken hp_name
             name = job.hp_name(trial)
@@ -457,7 +450,6 @@ def _note_ray_attrs(
     run_dir: Path,
     trial: RayTrial,
     earlier: runs.TrialRecord | None,
-    node: str,
     restored_from: str | None,
     home: runs.Home | None,
 ) -> None:
@@ -466,6 +458,7 @@ def _note_ray_attrs(
     record = runs.TrialRecord.load(run_dir / runs.TRIAL_FILE)
     if record is None or record.id != trial.id:
         return
+    node = ray.get_runtime_context().get_node_id()
     before = earlier.user_attrs if earlier is not None and earlier.id == trial.id else {}
     nodes = list(before.get("ray_node_ids", []))
     record.user_attrs.update(
