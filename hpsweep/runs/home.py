@@ -340,7 +340,8 @@ class RemoteHome(Home):
 
     def settle(self) -> None:
         """Put the best of every trial at the home into ``best/`` and ``best_run.json`` if a race
-        left another there (see the module's docstring), then bring the home's best to this machine."""
+        left another there (see the module's docstring), send the top records this machine holds
+        (`TOP_RECORDS`), then bring the home's best to this machine."""
         records = self.records()
         if records:
             directions = records[0].directions
@@ -348,6 +349,9 @@ class RemoteHome(Home):
                 self._write_front(records)
             else:
                 self._repair_best(best_records(records, directions), directions[0])
+        for name in TOP_RECORDS:
+            if (self.local / name).exists():
+                self.upload_file(self.local / name, name)
         self._pull_best()
 
     def records(self) -> list[TrialRecord]:

@@ -331,7 +331,7 @@ def run_sweep(
         if progress:
             progress.stop()
         if finished:
-            settle_home(job, output_dir)
+            settle_home(job)
         if output_dir.exists():
             records = runs.read_trials(output_dir)
             best = runs.read_best(output_dir)
@@ -363,17 +363,14 @@ def run_searcher(searcher: Searcher, loop: SweepLoop) -> None:
         loop.run(searcher)
 
 
-def settle_home(job: SweepJob, output_dir: Path) -> None:
+def settle_home(job: SweepJob) -> None:
     """The home's best run made right (two machines may have finished at once; a Pareto front
     may lack a trial whose process died as it was promoted) and, from an object store, brought
-    here, and a stopping rule's decision sent there; a failure leaves this machine's best, with
-    one line saying so."""
+    here, with this machine's top records (a stopping rule's decision) sent there; a failure
+    leaves this machine's best, with one line saying so."""
     home = job.runs_home
     try:
         home.settle()
-        decision = output_dir / stopping.STATE_FILE
-        if home.remote and decision.exists():
-            home.upload_file(decision, stopping.STATE_FILE)
     except Exception as exc:
         print(
             f"hpsweep: warning: could not read the best run at {home.url} ({type(exc).__name__}); "
